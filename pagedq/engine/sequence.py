@@ -27,6 +27,7 @@ class Sequence:
     seq_id: int  # unique per engine, increasing: a larger id was created later
     request_id: str  # the request this completion belongs to
     index: int  # which of the request's `n` completions this is
+    arrival: int  # order of the request's arrival; preemption takes the largest first
     token_ids: list[int]  # prompt followed by the generated tokens
     num_prompt_tokens: int  # length of the prompt part of token_ids
     max_tokens: int  # generation stops after this many new tokens
