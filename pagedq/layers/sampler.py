@@ -1,0 +1,310 @@
+"""The batched sampler: one row of logits per sequence in, one token per sequence out.
+
+Stages, in order (as in vLLM); each is one pass over `[rows, vocab]` and is skipped when no
+row of the batch uses it:
+
+1. raw log-probs of the incoming logits (`logsumexp`, plus `topk` when a row asks for
+   top log-probs): reported log-probs never see penalties or temperature;
+2. `min_tokens`: stop ids masked to -inf while the output is shorter than `min_tokens`;
+3. repetition penalty (HF: positive logits / p, others * p, over prompt + output tokens),
+   then presence / frequency penalties (OpenAI: subtracted over output-token counts);
+4. greedy rows: argmax (ties go to the lowest id);
+5. sampled rows: temperature, top-k, top-p, min-p (each keeps at least one token), then an
+   exponential race: `argmax(probs / q)` with `q ~ Exp(1)` picks token i with probability
+   `probs[i]`. A seeded row draws its `q` from its own generator, one `[vocab]` draw per
+   step, so its tokens do not depend on the other rows of the batch or on their order.
+
+Everything the host reads back (tokens, log-probs, top log-probs) comes in one transfer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedq.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """What the sampler needs of one sequence in this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None  # per-request RNG (seeded requests); None: global RNG
+    stop_token_ids: frozenset[int]  # masked while len(output) < params.min_tokens (eos ∪ stop)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    """The tokens chosen in one step, in row order, as Python values."""
+
+    token_ids: list[int]  # one per row
+    logprobs: list[float]  # log-prob of each sampled token under the raw model distribution
+    top_logprobs: list[dict[int, float] | None]  # top-`params.logprobs` ids -> raw log-prob
+
+
+def _flat_ids(seqs: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """The token ids of `seqs` back to back: [sum(len)] int64 on `device`."""
+    count = sum(len(s) for s in seqs)
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=count)
+    return torch.from_numpy(flat).to(device)
+
+
+def _row_index(lengths: Sequence[int], rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Row `rows[j]` repeated `lengths[j]` times: [sum(lengths)] int64 on `device`."""
+    return torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), lengths)).to(device)
+
+
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    """Per-row scalars as a [rows, 1] float32 column on `device`."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _min_tokens_targets(
+    rows: Sequence[SamplingRow], vocab: int
+) -> tuple[list[int], list[list[int]]]:
+    """Rows still under `min_tokens` that have stop ids, and those ids (< vocab) per row."""
+    targets: list[int] = []
+    ids: list[list[int]] = []
+    for i, row in enumerate(rows):
+        if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens:
+            targets.append(i)
+            ids.append([t for t in row.stop_token_ids if t < vocab])
+    return targets, ids
+
+
+def apply_min_tokens(
+    logits: torch.Tensor, targets: Sequence[int], ids: Sequence[list[int]]
+) -> None:
+    """Mask (in place) `ids[j]` of row `targets[j]`: logits [rows, vocab]."""
+    device = logits.device
+    index = _row_index([len(row_ids) for row_ids in ids], targets, device)
+    logits.index_put_((index, _flat_ids(ids, device)), torch.tensor(-math.inf, device=device))
+
+
+def _penalised_rows(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int]]:
+    """Rows with a repetition penalty, rows with a presence or frequency penalty."""
+    repetition: list[int] = []
+    additive: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            repetition.append(i)
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            additive.append(i)
+    return repetition, additive
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    repetition: Sequence[int],
+    additive: Sequence[int],
+) -> None:
+    """Apply the repetition penalty of rows `repetition`, then presence / frequency of rows
+    `additive`, in place. logits: [rows, vocab].
+
+    Repetition (HF) divides positive logits and multiplies the others by
+    `repetition_penalty` for every id seen in prompt + output. Presence and frequency
+    (OpenAI) subtract `presence * (count > 0) + frequency * count` over output-token counts.
+    """
+    if repetition:
+        _apply_repetition(logits, rows, repetition)
+    if additive:
+        _apply_presence_frequency(logits, rows, additive)
+
+
+def _apply_repetition(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], idx: Sequence[int]
+) -> None:
+    device = logits.device
+    seqs = [s for i in idx for s in (rows[i].prompt_token_ids, rows[i].output_token_ids)]
+    owners = [i for i in idx for _ in range(2)]
+    index = _row_index([len(s) for s in seqs], owners, device)
+    seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)  # [rows, vocab]
+    seen.index_put_((index, _flat_ids(seqs, device)), torch.tensor(True, device=device))
+    penalty = torch.ones(logits.shape[0], 1, dtype=logits.dtype, device=device)  # [rows, 1]
+    penalty[list(idx)] = _column([rows[i].params.repetition_penalty for i in idx], device)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    torch.where(seen, penalised, logits, out=logits)
+
+
+def _apply_presence_frequency(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], idx: Sequence[int]
+) -> None:
+    device = logits.device
+    outputs = [rows[i].output_token_ids for i in idx]
+    if not any(outputs):
+        return
+    counts = torch.zeros(len(idx), logits.shape[1], dtype=logits.dtype, device=device)
+    index = _row_index([len(o) for o in outputs], range(len(idx)), device)
+    ones = torch.ones(index.shape[0], dtype=logits.dtype, device=device)
+    counts.index_put_((index, _flat_ids(outputs, device)), ones, accumulate=True)
+    presence = _column([rows[i].params.presence_penalty for i in idx], device)
+    frequency = _column([rows[i].params.frequency_penalty for i in idx], device)
+    delta = counts * frequency + (counts > 0).to(logits.dtype) * presence  # [len(idx), vocab]
+    logits.index_add_(0, torch.tensor(list(idx), device=device), delta, alpha=-1.0)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [rows, vocab] float32, temperature already applied
+    top_k: Sequence[int | None],  # per row; None: off
+    top_p: Sequence[float],  # per row, in (0, 1]; 1: off
+) -> torch.Tensor:
+    """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus.
+
+    Top-k keeps the logits >= the k-th largest (ties with it are kept). Top-p then keeps the
+    smallest prefix of the descending order (ties: lowest id first) whose probability mass,
+    renormalised after top-k, reaches `top_p`; the most likely token is always kept.
+    Returns a new tensor.
+    """
+    vocab = logits.shape[1]
+    k = [vocab if v is None else min(v, vocab) for v in top_k]
+    if all(p >= 1.0 for p in top_p):
+        kth = torch.topk(logits, max(k), dim=-1).values  # [rows, max_k], descending
+        return _mask_below_kth(logits, kth, k)
+    ordered, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # [rows, vocab]
+    if any(v < vocab for v in k):
+        ordered = _mask_below_kth(ordered, ordered, k)
+    probs = torch.softmax(ordered, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly better tokens
+    p = _column([v if v < 1.0 else math.inf for v in top_p], logits.device)
+    ordered = ordered.masked_fill(mass_before >= p, -math.inf)
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def _mask_below_kth(
+    logits: torch.Tensor,  # [rows, vocab]
+    descending: torch.Tensor,  # [rows, >= max(k)] each row's largest logits, descending
+    k: Sequence[int],
+) -> torch.Tensor:
+    index = torch.tensor(k, device=logits.device).unsqueeze(1) - 1
+    kth = descending.gather(1, index)  # [rows, 1]
+    return logits.masked_fill(logits < kth, -math.inf)
+
+
+def apply_min_p(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    min_p: Sequence[float],  # per row, in [0, 1]; 0: off
+) -> torch.Tensor:
+    """Set to -inf every logit whose probability is below `min_p` times the row's largest.
+
+    `p_i >= min_p * p_max` is `logit_i >= logit_max + log(min_p)` whatever the
+    normalisation, so no softmax is needed. Returns a new tensor.
+    """
+    log_min_p = _column([math.log(v) if v > 0 else -math.inf for v in min_p], logits.device)
+    threshold = logits.amax(dim=-1, keepdim=True) + log_min_p  # [rows, 1]
+    return logits.masked_fill(logits < threshold, -math.inf)
+
+
+def _exponential_noise(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """q ~ Exp(1) shaped like probs [rows, vocab]; row j from `generators[j]` when set."""
+    q = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        q.exponential_()
+    for j, gen in enumerate(generators):
+        if gen is None:
+            continue
+        if gen.device == q.device:
+            q[j].exponential_(generator=gen)
+        else:
+            q[j] = torch.empty(q.shape[1], device=gen.device).exponential_(generator=gen)
+    # Exp(1) may round to 0; a floor keeps 0 / q finite for masked tokens (no NaN winners).
+    return q.clamp_(min=torch.finfo(q.dtype).tiny)
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Sample one token per row (none greedy): [rows] int64.
+
+    logits: [rows, vocab] float32 after penalties; not modified.
+    """
+    params = [r.params for r in rows]
+    temperature = [p.temperature for p in params]
+    x = logits
+    if any(t != 1.0 for t in temperature):
+        x = x / _column(temperature, logits.device)
+    top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
+    if any(k is not None for k in top_k) or any(p < 1.0 for p in top_p):
+        x = apply_top_k_top_p(x, top_k, top_p)
+    min_p = [p.min_p for p in params]
+    if any(p > 0.0 for p in min_p):
+        x = apply_min_p(x, min_p)
+    probs = torch.softmax(x, dim=-1)
+    q = _exponential_noise(probs, [r.generator for r in rows])
+    return torch.argmax(probs / q, dim=-1)
+
+
+class Sampler:
+    """Turns a batch of logits into one token per row, following each row's params.
+
+    Stateless: randomness comes from the rows' generators or the global torch RNG. Works on
+    CPU and CUDA tensors; a row's generator should live on the logits' device (another
+    device works, through a copy per step).
+    """
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """logits: [num_rows, vocab] float32 (other float dtypes are upcast); not modified."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
+            )
+        raw = logits.float()
+        targets, stop_ids = _min_tokens_targets(rows, raw.shape[1])
+        repetition, additive = _penalised_rows(rows)
+        x = raw
+        if targets or repetition or additive:
+            x = raw.clone()  # the raw logits stay untouched for the log-probs
+            if targets:
+                apply_min_tokens(x, targets, stop_ids)
+            apply_penalties(x, rows, repetition, additive)
+        tokens = self._choose(x, rows)
+        return _to_host(raw, tokens, [r.params.logprobs for r in rows])
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """[rows] int64: argmax for greedy rows, a sample for the others."""
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(sampled) == len(rows):
+            return sample_rows(logits, rows)
+        tokens = torch.argmax(logits, dim=-1)
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            tokens[index] = sample_rows(logits[index], [rows[i] for i in sampled])
+        return tokens
+
+
+def _to_host(
+    raw: torch.Tensor,  # [rows, vocab] float32 raw logits
+    tokens: torch.Tensor,  # [rows] int64
+    num_top: Sequence[int | None],  # per row: top log-probs wanted; None: none
+) -> SamplerOutput:
+    """Raw log-probs of the tokens (and the top ones) and everything as Python values."""
+    lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # [rows, 1]
+    chosen = raw.gather(1, tokens.unsqueeze(1)) - lse  # [rows, 1]
+    parts = [tokens.unsqueeze(1).double(), chosen.double()]
+    max_top = max((k for k in num_top if k is not None), default=0)
+    if max_top:
+        top = torch.topk(raw, max_top, dim=-1)  # [rows, max_top]
+        parts += [top.indices.double(), (top.values - lse).double()]
+    host = torch.cat(parts, dim=1).tolist()  # ids are exact in float64 (vocab < 2**53)
+    top_logprobs: list[dict[int, float] | None] = []
+    for values, k in zip(host, num_top, strict=True):
+        if k is None:
+            top_logprobs.append(None)
+            continue
+        ids, lps = values[2 : 2 + max_top], values[2 + max_top :]
+        top_logprobs.append({int(ids[j]): lps[j] for j in range(k)})
+    return SamplerOutput(
+        token_ids=[int(v[0]) for v in host],
+        logprobs=[v[1] for v in host],
+        top_logprobs=top_logprobs,
+    )
