@@ -1,0 +1,350 @@
+"""The step-level engine: add requests at any time, step, stream, abort.
+
+`LLM` (offline) and serving code both drive this class. A request is validated entirely in
+`add_request`, so a bad one raises there and never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedq.config import EngineConfig, ModelConfig
+from pagedq.engine.block_manager import BlockManager
+from pagedq.engine.model_runner import ModelRunner
+from pagedq.engine.resources import ResolvedConfig, resolve_config
+from pagedq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedq.engine.sequence import Sequence
+from pagedq.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    InvalidTokenIdError,
+    PromptTooLongError,
+    RequestTooLargeError,
+)
+from pagedq.layers.sampler import Sampler, SamplingRow
+from pagedq.loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagedq.models.llama import load_llama
+from pagedq.outputs import CompletionOutput, RequestOutput
+from pagedq.sampling_params import SamplingParams
+
+Prompt = str | Seq[int]
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    seqs: list[Sequence] = field(default_factory=list)
+    stop_ids: frozenset[int] = (
+        frozenset()
+    )  # ids that end generation (eos unless ignored ∪ stop ids)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+class Engine:
+    """Continuous-batching engine over one model and one KV pool."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.resolved: ResolvedConfig = resolve_config(config)
+        r = self.resolved
+        torch.manual_seed(config.seed)
+        self.tokenizer = Tokenizer.from_model_dir(r.model_dir)
+        self.model = load_llama(r.model_dir, r.dtype, r.device).eval()
+        self.model_config: ModelConfig = self.model.config
+        r = self.resolved = r.with_pool(self.model_config)
+        self.block_manager = BlockManager(
+            r.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching and config.cache == "paged",
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=r.max_num_batched_tokens,
+                max_model_len=r.max_model_len,
+                static=config.cache == "static",
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(self.model, r.num_blocks, config.block_size, r.dtype)
+        self.sampler = Sampler()
+        self._requests: dict[str, _Request] = {}
+        self._arrivals = itertools.count()
+        self._seq_ids = itertools.count()
+        self._auto_ids = itertools.count()
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.resolved.max_model_len
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request (text or token ids); returns its id."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"params must be a SamplingParams, got {type(params).__name__}"
+            )
+        if request_id is None:
+            request_id = f"req-{next(self._auto_ids)}"
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        max_tokens = self._check_length(len(ids), params)
+        req = _Request(request_id, text, ids, params, next(self._arrivals))
+        if not params.ignore_eos:
+            req.stop_ids = self.eos_token_ids
+        req.stop_ids = req.stop_ids | frozenset(params.stop_token_ids)
+        seq = self._new_sequence(req, 0, list(ids), max_tokens)
+        self._requests[request_id] = req
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, Seq) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            ids, text = list(prompt), None
+        else:
+            raise InvalidRequestError(
+                f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (0 tokens)")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise InvalidTokenIdError(f"prompt token {i} is {t}, outside [0, {vocab})")
+        return text, ids
+
+    def _check_length(self, num_prompt: int, params: SamplingParams) -> int:
+        """The request's effective max_tokens; raises if it cannot be served."""
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt} tokens; max_model_len is {limit} and at least one "
+                "token must be generated"
+            )
+        max_tokens = limit - num_prompt
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        need, have = (
+            self.block_manager.blocks_for(num_prompt + max_tokens),
+            self.block_manager.num_blocks,
+        )
+        if need > have:
+            raise RequestTooLargeError(f"the request needs {need} KV blocks, the pool holds {have}")
+        return max_tokens
+
+    def _new_sequence(
+        self, req: _Request, index: int, token_ids: list[int], max_tokens: int
+    ) -> Sequence:
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=req.request_id,
+            index=index,
+            arrival=req.arrival,
+            token_ids=token_ids,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            max_tokens=max_tokens,
+        )
+        seq.extra["detok"] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
+        )
+        seq.extra["text"] = ""
+        seq.extra["logprobs"] = [] if req.params.logprobs is not None else None
+        seq.extra["cum_logprob"] = 0.0
+        if req.params.seed is not None:
+            gen = torch.Generator(device=self.resolved.device)
+            gen.manual_seed((req.params.seed + index) & 0xFFFFFFFFFFFF)
+            seq.extra["generator"] = gen
+        req.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its blocks are freed. False if unknown or already finished."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample; outputs of every request that progressed."""
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            if self.scheduler.has_unfinished():
+                raise AssertionError("scheduler made no progress with requests pending")
+            return []
+        logits = self.runner.execute(out)
+        self.scheduler.commit(out)
+        touched = self._sample_and_update(out, logits)
+        return [self._finish_output(req) for req in touched]
+
+    def _sample_and_update(self, out: SchedulerOutput, logits: torch.Tensor) -> list[_Request]:
+        seqs = [c.seq for c in out.chunks if c.samples]
+        rows_of_seq: list[list[Sequence]] = []
+        for seq in seqs:
+            req = self._requests[seq.request_id]
+            group = [seq]
+            if req.params.n > 1 and len(req.seqs) == 1 and seq.num_output_tokens == 0:
+                group += self._fork(req, seq)
+            rows_of_seq.append(group)
+        index = torch.tensor(
+            [i for i, g in enumerate(rows_of_seq) for _ in g],
+            dtype=torch.long,
+            device=logits.device,
+        )
+        rows = [s for g in rows_of_seq for s in g]
+        result = self.sampler(logits.index_select(0, index), [self._row(s) for s in rows])
+        touched: dict[str, _Request] = {}
+        for i, seq in enumerate(rows):
+            self._append(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
+            touched[seq.request_id] = self._requests[seq.request_id]
+        return list(touched.values())
+
+    def _fork(self, req: _Request, parent: Sequence) -> list[Sequence]:
+        children = []
+        for index in range(1, req.params.n):
+            child = self._new_sequence(req, index, list(parent.token_ids), parent.max_tokens)
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    def _row(self, seq: Sequence) -> SamplingRow:
+        req = self._requests[seq.request_id]
+        return SamplingRow(
+            params=req.params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            generator=seq.extra.get("generator"),
+            stop_token_ids=req.stop_ids,
+        )
+
+    def _append(
+        self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None
+    ) -> None:
+        req = self._requests[seq.request_id]
+        seq.token_ids.append(token)
+        seq.extra["cum_logprob"] += logprob
+        if seq.extra["logprobs"] is not None:
+            entry = dict(top or {})
+            entry[token] = logprob
+            seq.extra["logprobs"].append(entry)
+        delta = seq.extra["detok"].add(token)
+        seq.extra["text"] += delta
+        reason = self._stop_reason(req, seq, token, len(delta))
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _stop_reason(self, req: _Request, seq: Sequence, token: int, delta_len: int) -> str | None:
+        params = req.params
+        if token in req.stop_ids:  # the sampler masks these until min_tokens
+            seq.stop_reason = token if token in params.stop_token_ids else None
+            return "stop"
+        if params.stop and self._check_stop_strings(seq, params, delta_len):
+            return "stop"
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _check_stop_strings(self, seq: Sequence, params: SamplingParams, delta_len: int) -> bool:
+        """Find a stop string that the newest text completes; cut the text there."""
+        text: str = seq.extra["text"]
+        longest = max(len(s) for s in params.stop)
+        window_start = max(0, len(text) - delta_len - longest + 1)
+        best: tuple[int, str] | None = None
+        for stop in params.stop:
+            at = text.find(stop, window_start)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return False
+        at, stop = best
+        seq.extra["text"] = (
+            text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+        )
+        seq.stop_reason = stop
+        return True
+
+    def _finish_output(self, req: _Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.extra["text"],
+                token_ids=s.output_token_ids,
+                cumulative_logprob=s.extra["cum_logprob"],
+                logprobs=s.extra["logprobs"],
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in req.seqs
+        ]
+        finished = req.finished
+        if finished:
+            del self._requests[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            num_cached_tokens=req.seqs[0].num_cached_tokens or 0,
+        )
+
+    # --- metrics -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int | float | str]:
+        """Prefix-cache and pool counters."""
+        bm, st = self.block_manager, self.block_manager.stats
+        return {
+            "cache_mode": self.config.cache,
+            "num_blocks": bm.num_blocks,
+            "block_size": bm.block_size,
+            "max_model_len": self.max_model_len,
+            "static_slots": self.scheduler.num_static_slots,
+            "prefix_queried_tokens": st.queried_tokens,
+            "prefix_hit_tokens": st.hit_tokens,
+            "prefix_hit_rate": st.hit_tokens / st.queried_tokens if st.queried_tokens else 0.0,
+            "blocks_used": bm.num_used_blocks,
+            "blocks_cached": bm.num_cached_free_blocks,
+            "blocks_evicted": st.evicted_blocks,
+            "peak_blocks_used": st.peak_used_blocks,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.scheduler.num_steps,
+        }
