@@ -75,12 +75,12 @@ class LLM:
         params = _per_prompt(sampling_params, len(batch))
         ids: list[str] = []
         try:
-            for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
+            for prompt, p in zip(batch, params, strict=True):
                 ids.append(self.engine.add_request(prompt, p))
         except InvalidRequestError as e:
             for rid in ids:
                 self.engine.abort(rid)
-            raise type(e)(f"prompt {i}: {e}") from e
+            raise type(e)(f"prompt {len(ids)}: {e}") from e
         return self._run(ids, use_tqdm)
 
     def chat(
