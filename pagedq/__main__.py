@@ -1,0 +1,5 @@
+"""`python -m pagedq ...` is the `pagedq` command."""
+
+from pagedq.cli import main
+
+raise SystemExit(main())
