@@ -1,0 +1,191 @@
+"""Engine behaviour on a tiny random model: cache modes agree, small pools finish everything,
+forks share blocks, stops, streaming, aborts and typed errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedq import LLM, SamplingParams
+from pagedq.engine.llm_engine import Engine
+from pagedq.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    InvalidRequestError,
+    InvalidTokenIdError,
+    ModelNotFoundError,
+    PromptTooLongError,
+)
+from tests.tiny_models import make_tiny_llama
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tiny"), num_heads=6, num_kv_heads=2, hidden_size=48
+    )
+
+
+def shared_prefix_prompts(n: int, prefix_len: int = 40, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 384, (prefix_len,), generator=g).tolist()
+    return [prefix + torch.randint(3, 384, (1 + i % 7,), generator=g).tolist() for i in range(n)]
+
+
+def tokens(outs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_cache_modes_give_the_same_greedy_tokens(tiny: Path, batch: int) -> None:
+    prompts = shared_prefix_prompts(batch)
+    results = {}
+    for name, kwargs in {
+        "prefix": {"cache": "paged", "enable_prefix_caching": True},
+        "no-prefix": {"cache": "paged", "enable_prefix_caching": False},
+        "static": {"cache": "static", "max_model_len": 64},
+    }.items():
+        llm = LLM(str(tiny), device="cpu", num_blocks=256, **kwargs)
+        results[name] = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        if name == "prefix" and batch > 1:
+            assert llm.stats()["prefix_hit_tokens"] >= (batch - 1) * 32
+    assert results["prefix"] == results["no-prefix"] == results["static"]
+
+
+def test_tiny_pool_preempts_and_finishes_everything_identically(tiny: Path) -> None:
+    prompts = shared_prefix_prompts(64, prefix_len=20)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    free = LLM(str(tiny), device="cpu", num_blocks=512)
+    expected = tokens(free.generate(prompts, params, use_tqdm=False))
+    # ~3 sequences of up to 47 tokens fit in 9 blocks of 16.
+    tight = LLM(str(tiny), device="cpu", num_blocks=9, max_model_len=48)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    assert tokens(got) == expected
+    assert tight.stats()["preemptions"] > 0
+
+
+def test_prefix_hits_are_reported_per_request(tiny: Path) -> None:
+    llm = LLM(str(tiny), device="cpu", num_blocks=128)
+    prompts = shared_prefix_prompts(3, prefix_len=48)
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert first.num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in rest] == [48, 48]
+
+
+def test_n_greater_than_one_shares_prompt_blocks(tiny: Path) -> None:
+    llm = LLM(str(tiny), device="cpu", num_blocks=128)
+    prompt = shared_prefix_prompts(1, prefix_len=37)[0]
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # Seeded: the same again, and completion 0 equals an n=1 run with the same seed.
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    single = llm.generate([prompt], SamplingParams(seed=7, max_tokens=8, ignore_eos=True))[0]
+    assert single.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_seed_is_independent_of_the_batch(tiny: Path) -> None:
+    llm = LLM(str(tiny), device="cpu", num_blocks=256)
+    prompts = shared_prefix_prompts(8)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate(prompts[3:4], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    params = [others] * 3 + [seeded] + [others] * 4
+    batched = llm.generate(prompts, params, use_tqdm=False)[3].outputs[0].token_ids
+    assert alone == batched
+
+
+def test_stop_token_ids_and_max_tokens(tiny: Path) -> None:
+    llm = LLM(str(tiny), device="cpu", num_blocks=64)
+    prompt = shared_prefix_prompts(1)[0]
+    free = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    stop_at = free.token_ids[4]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_at]
+    )
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    first = free.token_ids.index(stop_at)
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_stop_strings_cut_the_text(tiny: Path) -> None:
+    llm = LLM(str(tiny), device="cpu", num_blocks=64)
+    prompt = shared_prefix_prompts(1)[0]
+    free = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("generated text has no usable stop string")
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == free.text[: free.text.index(stop)]
+
+
+def test_streaming_abort_and_add_while_running(tiny: Path) -> None:
+    engine = LLM(str(tiny), device="cpu", num_blocks=64).engine
+    prompts = shared_prefix_prompts(3)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine.add_request(prompts[0], params, request_id="a")
+    engine.add_request(prompts[1], params, request_id="b")
+    seen: dict[str, int] = {}
+    for _ in range(3):
+        for out in engine.step():
+            seen[out.request_id] = len(out.outputs[0].token_ids)
+    assert seen == {"a": 3, "b": 3}
+    assert engine.abort("b")
+    engine.add_request(prompts[2], params, request_id="c")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != "b"
+            if out.finished:
+                finished[out.request_id] = out
+    assert set(finished) == {"a", "c"}
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_bad_requests_raise_typed_errors_and_do_not_disturb_others(tiny: Path) -> None:
+    llm = LLM(str(tiny), device="cpu", num_blocks=64, max_model_len=64)
+    engine: Engine = llm.engine
+    engine.add_request([5, 6, 7], GREEDY, request_id="good")
+    with pytest.raises(PromptTooLongError, match="64"):
+        engine.add_request(list(range(3, 70)), GREEDY)
+    with pytest.raises(InvalidTokenIdError, match="384"):
+        engine.add_request([1, 999], GREEDY)
+    with pytest.raises(DuplicateRequestError):
+        engine.add_request([5], GREEDY, request_id="good")
+    with pytest.raises(InvalidRequestError):
+        engine.add_request([], GREEDY)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request(3.5, GREEDY)  # type: ignore[arg-type]
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == ["good"]
+    with pytest.raises(PromptTooLongError, match="prompt 1"):
+        llm.generate([[5], list(range(3, 80))], GREEDY, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+
+def test_config_errors(tiny: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="nowhere"):
+        LLM(str(tmp_path / "nowhere"), device="cpu")
+    with pytest.raises(ConfigError, match="max_model_len"):
+        LLM(str(tiny), device="cpu", num_blocks=4, max_model_len=100)
+    with pytest.raises(ConfigError, match="cache"):
+        LLM(str(tiny), device="cpu", cache="dynamic")
+    with pytest.raises(ConfigError, match="block_size"):
+        LLM(str(tiny), device="cpu", block_size=3)
