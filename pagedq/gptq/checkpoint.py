@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -263,6 +264,39 @@ def save_gptq_model(
     _write_json(out / QUANT_FILES[0], settings)
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, out)
+
+
+def save_from_source(
+    src_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    quantized: Mapping[str, GPTQTensors],
+    gptq: GPTQConfig,
+) -> None:
+    """Write `quantized` plus every other tensor of the dense folder `src_dir` as a GPTQ folder.
+
+    The source `{prefix}.weight` of each quantized projection is dropped and its `.bias` (if
+    any) goes with the quantized tensors; other tensors keep their dtype, except fp32 which
+    becomes fp16 (config.json's dtype follows). config.json and tokenizer files come along.
+    """
+    from pagedq.loader.weights import Checkpoint
+
+    src = Path(src_dir)
+    ckpt = Checkpoint.open(src)
+    replaced = {f"{p}.{part}" for p in quantized for part in ("weight", "bias")}
+    dense = {}
+    for name in ckpt.names():
+        if name not in replaced:
+            t = ckpt.get(name)
+            dense[name] = t.to(torch.float16) if t.dtype == torch.float32 else t
+    parts = {
+        p: replace(q, bias=ckpt.get(f"{p}.bias")) if f"{p}.bias" in ckpt else q
+        for p, q in quantized.items()
+    }
+    config = _read_json(src / "config.json")
+    dtype = str(dense["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
+        config[key] = dtype
+    save_gptq_model(out_dir, config, dense, parts, gptq, tokenizer_dir=src)
 
 
 def copy_tokenizer_files(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> list[str]:

@@ -10,7 +10,6 @@ layer by layer; each layer sees inputs produced by the already-quantized layers 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -44,7 +43,7 @@ FORMATS = ("gptq", "gptq_v2")
 MAX_DAMP = 1.0  # dampening is raised tenfold up to this while H stays singular
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class QuantizeOptions:
     """How to quantize a model; validated on construction (ConfigError names value and limit)."""
 
@@ -239,7 +238,7 @@ def quantize_model(
     text) under the model's own tokenizer. `method="rtn"` needs no calibration. The
     unquantized tensors keep their dtype (fp32 becomes fp16); lm_head stays unquantized.
     """
-    from pagedq.gptq.checkpoint import load_gptq_config
+    from pagedq.gptq.checkpoint import load_gptq_config, save_from_source
     from pagedq.models.llama import load_llama
 
     opts = opts or QuantizeOptions()
@@ -256,7 +255,7 @@ def quantize_model(
             calibration_tokens = calibration_windows(src, calibration_text, opts)
         _check_tokens(calibration_tokens, model.config.vocab_size)
         quantized = _gptq_model(model, calibration_tokens, opts, progress)
-    _save(src, out, quantized, opts)
+    save_from_source(src, out, quantized, opts.gptq_config())
     return out
 
 
@@ -266,29 +265,6 @@ def quantize_model(
 def bundled_calibration_text() -> str:
     """The calibration text shipped with pagedq (`pagedq/data/calibration.txt`)."""
     return resources.files("pagedq").joinpath("data/calibration.txt").read_text(encoding="utf-8")
-
-
-def load_calibration_file(path: str | os.PathLike[str]) -> str:
-    """Plain text, or JSON lines (`.jsonl`) whose objects carry a "text" field (joined)."""
-    file = Path(path)
-    try:
-        raw = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read calibration file {str(file)!r}: {e}") from e
-    if file.suffix != ".jsonl":
-        return raw
-    texts = []
-    for lineno, line in enumerate(raw.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{str(file)!r} line {lineno} is not JSON: {e}") from e
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ConfigError(f'{str(file)!r} line {lineno} has no string "text" field')
-        texts.append(record["text"])
-    return "\n\n".join(texts)
 
 
 def calibration_windows(
@@ -444,28 +420,3 @@ def _split(
     }[fused]
     parts = split_gptq(packed, sizes)
     return {f"model.layers.{layer}.{n}": p for n, p in zip(FUSED[fused], parts, strict=True)}
-
-
-# --- writing --------------------------------------------------------------------------------
-
-
-def _save(src: Path, out: Path, quantized: dict[str, GPTQTensors], opts: QuantizeOptions) -> None:
-    """Write the GPTQ folder: quantized projections plus every other source tensor."""
-    from pagedq.gptq.checkpoint import save_gptq_model
-    from pagedq.loader.weights import Checkpoint
-
-    ckpt = Checkpoint.open(src)
-    replaced = {f"{p}.{part}" for p in quantized for part in ("weight", "bias")}
-    dense = {}
-    for name in ckpt.names():
-        if name not in replaced:
-            t = ckpt.get(name)
-            dense[name] = t.to(torch.float16) if t.dtype == torch.float32 else t
-    for prefix in quantized:
-        if f"{prefix}.bias" in ckpt:
-            quantized[prefix] = replace(quantized[prefix], bias=ckpt.get(f"{prefix}.bias"))
-    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    dtype = dense["model.embed_tokens.weight"].dtype
-    for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
-        config[key] = str(dtype).removeprefix("torch.")
-    save_gptq_model(out, config, dense, quantized, opts.gptq_config(), tokenizer_dir=src)
