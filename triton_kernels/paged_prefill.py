@@ -1,0 +1,181 @@
+"""Paged prefill attention: a varlen batch of new tokens over their sequences' cached pages.
+
+Sequence `i` owns the query tokens `query_start_loc[i]:query_start_loc[i+1]` (q_len of them),
+which sit at context positions `ctx .. seq_len - 1` with `ctx = seq_len - q_len` (cached
+prefix, earlier chunks). Query row `r` sees keys `0 .. ctx + r`.
+
+Algorithm (flash attention, forward):
+  * one program per (query head, BLOCK_M-tile of a sequence's queries, sequence); the head
+    index varies fastest so the GROUP heads sharing a KV head run side by side and hit L2
+    for each other's pages; tiles past a sequence's q_len exit at once; the last tiles
+    (the longest work, causally) are scheduled first;
+  * phase 1 walks the keys that every query of the tile sees (positions below the tile's
+    first query, rounded down to BLOCK_N) without a causal mask; phase 2 walks the rest up to
+    the tile's last query with the causal mask;
+  * K/V tiles are gathered through the block table, softmax is online in fp32.
+
+Tensor layouts:
+  q          [num_tokens, num_heads, head_dim]          query head h uses kv head h // GROUP
+  k/v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
+  block_tables [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32,
+  query_start_loc [num_seqs + 1] int32
+  out        [num_tokens, num_heads, head_dim]          q's dtype
+
+Requires seq_len >= q_len for every sequence (the launcher cannot check it without a host
+sync). Configs: see `PrefillConfig`; bench/bench_attention.py sweeps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_kernels.paged_attention_common import kv_row_offsets, online_softmax_step
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """Tunables of the prefill kernel."""
+
+    block_m: int = 128  # query tokens per program (power of two >= 16)
+    block_n: int = 64  # keys per K/V tile (power of two >= 16)
+    num_warps: int = 8
+    num_stages: int = 3  # software-pipelining depth of the key loops (GPU only)
+
+
+def default_config(head_dim: int, max_query_len: int) -> PrefillConfig:
+    """Tile config from the shape: smaller query tiles for short queries and wide heads."""
+    if max_query_len <= 64 or head_dim > 128:
+        return PrefillConfig(block_m=64, block_n=64 if head_dim <= 128 else 32, num_warps=4)
+    return PrefillConfig()
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    # pointers
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    # sizes
+    qk_scale,
+    # strides
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bts,
+    stride_ot,
+    stride_oh,
+    # constexprs
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
+
+    # -- the tile's queries: rows [m_tile * BLOCK_M, +BLOCK_M) of the sequence -----------
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    q_pos = ctx + rows  # context position of each query row
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    tok_rows = (q_start + rows).to(tl.int64)
+    q_ptrs = q_ptr + tok_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+
+    kv_head = head // GROUP
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+
+    # -- phase 1: keys every row of the tile sees, no causal mask -------------------------
+    full_end = ((ctx + m_tile * BLOCK_M) // BLOCK_N) * BLOCK_N
+    for tile_start in range(0, full_end, BLOCK_N):
+        toks = tile_start + tl.arange(0, BLOCK_N)
+        all_keys = toks < full_end  # always true: every key of this range is visible
+        kv_rows = kv_row_offsets(
+            bt_row, toks, all_keys, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE
+        )
+        kv_ptrs = kv_rows[:, None] + offs_d[None, :]  # [BLOCK_N, D_PAD]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
+        m_i, l_i, acc = online_softmax_step(
+            q, k, v, all_keys[None, :], m_i, l_i, acc, qk_scale, PRECISION
+        )
+
+    # -- phase 2: the diagonal band up to the tile's last query, causal mask -------------
+    band_end = ctx + tl.minimum((m_tile + 1) * BLOCK_M, q_len)
+    for tile_start in range(full_end, band_end, BLOCK_N):
+        toks = tile_start + tl.arange(0, BLOCK_N)
+        tok_mask = toks < band_end
+        kv_rows = kv_row_offsets(
+            bt_row, toks, tok_mask, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE
+        )
+        kv_ptrs = kv_rows[:, None] + offs_d[None, :]
+        kv_mask = tok_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        visible = tok_mask[None, :] & (toks[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
+
+    # -- epilogue ----------------------------------------------------------------------------
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    o_ptrs = out_ptr + tok_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def launch(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], last dim contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # same shape and strides as k_cache
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written
+    scale: float,
+    config: PrefillConfig | None = None,
+) -> None:
+    """Run the prefill kernel into `out`."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    cfg = config or default_config(head_dim, max_query_len)
+    num_m_tiles = triton.cdiv(max(max_query_len, 1), cfg.block_m)
+    _paged_prefill_kernel[(num_heads, num_m_tiles, num_seqs)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
