@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagedq.layers.sampler import (
     Sampler,
@@ -144,6 +145,14 @@ def test_negative_penalties_raise_logits() -> None:
     assert logits.tolist() == [[2.0, 1.0, 2.0]]
 
 
+def test_ids_outside_the_vocab_are_ignored_by_penalties() -> None:
+    logits = torch.tensor([[1.0, -1.0, 2.0]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0)
+    row = make_row(params, prompt=[0, 7], output=[2, 3])
+    apply_penalties(logits, [row], [0], [0])
+    assert logits.tolist() == [[0.5, -1.0, 0.0]]  # id 2: 2 / 2 - 1
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_penalties_steer_greedy_but_logprobs_stay_raw(device: str) -> None:
     logits = torch.tensor([[3.0, 2.5, 0.0], [3.0, 2.5, 0.0]], device=device)
@@ -274,6 +283,14 @@ def test_logprobs_equal_log_softmax_of_raw_logits(device: str) -> None:
         assert out.top_logprobs[i] == pytest.approx(expected, abs=1e-5)
 
 
+def test_top_logprobs_are_capped_at_the_vocab_and_empty_batches_work() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    out = Sampler()(logits, [make_row(SamplingParams(temperature=0.0, logprobs=20))])
+    assert out.top_logprobs[0] is not None
+    assert list(out.top_logprobs[0]) == [2, 1, 0]
+    assert Sampler()(torch.zeros(0, 3), []).token_ids == []
+
+
 def test_fp16_logits_are_accepted_and_not_modified() -> None:
     logits = torch.tensor([[0.5, 2.0, -1.0]], dtype=torch.float16)
     before = logits.clone()
@@ -286,6 +303,54 @@ def test_fp16_logits_are_accepted_and_not_modified() -> None:
 def test_wrong_logits_shape_is_rejected() -> None:
     with pytest.raises(ValueError, match="num_rows=2"):
         Sampler()(torch.zeros(3, 5), [make_row(), make_row()])
+
+
+class _FullWidthOps(TorchDispatchMode):
+    """Records the ops that read or write a tensor of `numel` elements (a [rows, vocab] pass)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel = numel
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if any(t.numel() == self.numel for t in tensors):
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (GREEDY, {"argmax", "logsumexp", "gather"}),
+        (SamplingParams(temperature=0.0, logprobs=3), {"argmax", "logsumexp", "gather", "topk"}),
+    ],
+)
+def test_all_greedy_batch_runs_only_argmax_and_logprob_passes(
+    params: SamplingParams, expected: set[str]
+) -> None:
+    logits = torch.randn(16, 300)
+    with _FullWidthOps(logits.numel()) as recorder:
+        Sampler()(logits, [make_row(params, prompt=[1], output=[2]) for _ in range(16)])
+    assert set(recorder.ops) == expected
+
+
+@pytest.mark.parametrize(
+    ("params", "absent"),
+    [
+        (SamplingParams(), {"clone", "sort", "topk", "amax", "cumsum"}),
+        (SamplingParams(top_k=5), {"clone", "sort", "amax", "cumsum"}),
+        (SamplingParams(min_p=0.1), {"clone", "sort", "topk", "cumsum"}),
+        (SamplingParams(top_p=0.5), {"clone", "topk", "amax"}),
+    ],
+)
+def test_unused_stages_are_skipped(params: SamplingParams, absent: set[str]) -> None:
+    logits = torch.randn(16, 300)
+    with _FullWidthOps(logits.numel()) as recorder:
+        Sampler()(logits, [make_row(params, output=[2]) for _ in range(16)])
+    assert not absent & set(recorder.ops)
 
 
 # --- distributions --------------------------------------------------------------------------

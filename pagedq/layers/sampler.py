@@ -50,16 +50,21 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]  # top-`params.logprobs` ids -> raw log-prob
 
 
-def _flat_ids(seqs: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """The token ids of `seqs` back to back: [sum(len)] int64 on `device`."""
+def _scatter_index(
+    seqs: Sequence[Sequence[int]], owners: Sequence[int], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) index pairs putting each id of `seqs[j]` in row `owners[j]`.
+
+    Returns two [n] int64 tensors on `device`, built on the host with numpy (no per-id
+    Python work). Ids outside [0, vocab) are dropped: they name no logit.
+    """
     count = sum(len(s) for s in seqs)
-    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=count)
-    return torch.from_numpy(flat).to(device)
-
-
-def _row_index(lengths: Sequence[int], rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Row `rows[j]` repeated `lengths[j]` times: [sum(lengths)] int64 on `device`."""
-    return torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), lengths)).to(device)
+    cols = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=count)
+    rows = np.repeat(np.asarray(owners, dtype=np.int64), [len(s) for s in seqs])
+    inside = (cols >= 0) & (cols < vocab)
+    if not inside.all():
+        rows, cols = rows[inside], cols[inside]
+    return torch.from_numpy(rows).to(device), torch.from_numpy(cols).to(device)
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -67,16 +72,14 @@ def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
 
-def _min_tokens_targets(
-    rows: Sequence[SamplingRow], vocab: int
-) -> tuple[list[int], list[list[int]]]:
-    """Rows still under `min_tokens` that have stop ids, and those ids (< vocab) per row."""
+def _min_tokens_targets(rows: Sequence[SamplingRow]) -> tuple[list[int], list[list[int]]]:
+    """Rows still under `min_tokens` that have stop ids, and those ids per row."""
     targets: list[int] = []
     ids: list[list[int]] = []
     for i, row in enumerate(rows):
         if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens:
             targets.append(i)
-            ids.append([t for t in row.stop_token_ids if t < vocab])
+            ids.append(list(row.stop_token_ids))
     return targets, ids
 
 
@@ -84,9 +87,8 @@ def apply_min_tokens(
     logits: torch.Tensor, targets: Sequence[int], ids: Sequence[list[int]]
 ) -> None:
     """Mask (in place) `ids[j]` of row `targets[j]`: logits [rows, vocab]."""
-    device = logits.device
-    index = _row_index([len(row_ids) for row_ids in ids], targets, device)
-    logits.index_put_((index, _flat_ids(ids, device)), torch.tensor(-math.inf, device=device))
+    index = _scatter_index(ids, targets, logits.shape[1], logits.device)
+    logits.index_put_(index, torch.tensor(-math.inf, device=logits.device))
 
 
 def _penalised_rows(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int]]:
@@ -127,9 +129,9 @@ def _apply_repetition(
     device = logits.device
     seqs = [s for i in idx for s in (rows[i].prompt_token_ids, rows[i].output_token_ids)]
     owners = [i for i in idx for _ in range(2)]
-    index = _row_index([len(s) for s in seqs], owners, device)
     seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)  # [rows, vocab]
-    seen.index_put_((index, _flat_ids(seqs, device)), torch.tensor(True, device=device))
+    index = _scatter_index(seqs, owners, logits.shape[1], device)
+    seen.index_put_(index, torch.tensor(True, device=device))
     penalty = torch.ones(logits.shape[0], 1, dtype=logits.dtype, device=device)  # [rows, 1]
     penalty[list(idx)] = _column([rows[i].params.repetition_penalty for i in idx], device)
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -144,9 +146,9 @@ def _apply_presence_frequency(
     if not any(outputs):
         return
     counts = torch.zeros(len(idx), logits.shape[1], dtype=logits.dtype, device=device)
-    index = _row_index([len(o) for o in outputs], range(len(idx)), device)
-    ones = torch.ones(index.shape[0], dtype=logits.dtype, device=device)
-    counts.index_put_((index, _flat_ids(outputs, device)), ones, accumulate=True)
+    index = _scatter_index(outputs, range(len(idx)), logits.shape[1], device)
+    ones = torch.ones(index[0].shape[0], dtype=logits.dtype, device=device)
+    counts.index_put_(index, ones, accumulate=True)
     presence = _column([rows[i].params.presence_penalty for i in idx], device)
     frequency = _column([rows[i].params.frequency_penalty for i in idx], device)
     delta = counts * frequency + (counts > 0).to(logits.dtype) * presence  # [len(idx), vocab]
@@ -257,8 +259,10 @@ class Sampler:
             raise ValueError(
                 f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
             )
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
         raw = logits.float()
-        targets, stop_ids = _min_tokens_targets(rows, raw.shape[1])
+        targets, stop_ids = _min_tokens_targets(rows)
         repetition, additive = _penalised_rows(rows)
         x = raw
         if targets or repetition or additive:
@@ -285,12 +289,14 @@ class Sampler:
 def _to_host(
     raw: torch.Tensor,  # [rows, vocab] float32 raw logits
     tokens: torch.Tensor,  # [rows] int64
-    num_top: Sequence[int | None],  # per row: top log-probs wanted; None: none
+    num_top: Sequence[int | None],  # per row: top log-probs wanted (capped at vocab); None
 ) -> SamplerOutput:
     """Raw log-probs of the tokens (and the top ones) and everything as Python values."""
     lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # [rows, 1]
     chosen = raw.gather(1, tokens.unsqueeze(1)) - lse  # [rows, 1]
     parts = [tokens.unsqueeze(1).double(), chosen.double()]
+    vocab = raw.shape[1]
+    num_top = [None if k is None else min(k, vocab) for k in num_top]
     max_top = max((k for k in num_top if k is not None), default=0)
     if max_top:
         top = torch.topk(raw, max_top, dim=-1)  # [rows, max_top]
