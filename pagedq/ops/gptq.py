@@ -1,0 +1,315 @@
+"""GPTQ 4-bit matmul: the packed weight layout, its reference, and the launcher that picks a kernel.
+
+`PackedGPTQWeight` (built once at load by `pagedq.gptq.linear`) is the one layout every path
+reads. `gptq_matmul_reference` dequantizes it and runs an fp32 matmul: the CPU path and the
+test oracle. `gptq_matmul` dispatches by `PAGEDQ_GPTQ_BACKEND`, read on every call:
+
+- `torch`: the reference (also what `auto` runs on CPU tensors);
+- `auto` on CUDA tensors, by M = rows of x: the CUDA extension's GEMV for M <= CUDA_EXT_MAX_M
+  (when it built), the Triton split-K GEMV for M <= SMALL_M_MAX_M, the Triton GEMM above;
+- `cuda`: the CUDA GEMV whenever it applies (M <= SMALL_M_MAX_M, fp16/bf16, group size a
+  multiple of 16), Triton otherwise or when the extension cannot be built (one notice);
+- `triton`: the Triton kernels by M; on CPU tensors they run in the Triton interpreter.
+
+Per call nothing synchronises the host (Python ints, `torch.empty`, launches), so every GPU
+path can be captured in a CUDA graph; the CUDA extension builds on its first call, so run one
+call before capturing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedq.errors import ConfigError
+
+BACKEND_ENV = "PAGEDQ_GPTQ_BACKEND"
+BACKENDS = ("auto", "cuda", "triton", "torch")
+
+# Dispatch thresholds on M (rows of x), set from bench/bench_gptq.py on an H200.
+CUDA_EXT_MAX_M = 4  # auto: CUDA GEMV up to here (fp32 FMA on CUDA cores: cheap at tiny M)
+SMALL_M_MAX_M = 16  # split-K GEMV (CUDA or Triton) up to here, tiled GEMM above
+
+BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
+MIN_LOCKS = 1024  # split-K arrival counters per weight (>= tiles of any split launch)
+_INTERPRETER_SMS = 4  # "SM count" used to size split-K in the Triton interpreter
+_CUDA_M_TILES = (1, 2, 4, 8, 16)  # row counts the CUDA GEMV is compiled for
+_KERNEL_MODULES = ("triton_kernels.gptq_common", "triton_kernels.gptq_gemv", "triton_kernels.gptq_gemm")
+
+
+@dataclass(frozen=True, eq=False)
+class PackedGPTQWeight:
+    """One 4-bit weight W [N, K] repacked for pagedq's kernels (y = x @ W^T).
+
+    Invariants (established by `make_packed_weight`, relied on by every kernel):
+    - input rows are in group order: kernels multiply x[:, perm] (perm None: identity), and
+      sorted row k belongs to group k // group_size (group_size = K: one group);
+    - qweight is [Kp/8, N] int32 with Kp = 128 * ceil(K / 128): block b (word rows 16b..16b+15)
+      holds sorted rows 128b..128b+127, nibble j (bits 4j..4j+3) of word row 16b + r holds row
+      128b + 16j + r; rows K..Kp-1 hold 0;
+    - scales [G, N] with G = ceil(K / group_size), in the activation dtype; zeros [G, N] in the
+      same dtype holds the zero point z' (v1's +1 already applied) as exact integers 0..16, or
+      is None when every z' is 8; W^T[k, n] = (q[k, n] - z'[g, n]) * scales[g, n];
+    - locks [>= max(ceil(N / 16), MIN_LOCKS)] int32 is all zeros between launches (split-K
+      arrival counters; two launches on one weight must not run concurrently);
+    - N % 8 == 0; every tensor is contiguous and on the same device.
+    """
+
+    qweight: torch.Tensor  # [Kp/8, N] int32, block-interleaved (see above)
+    scales: torch.Tensor  # [G, N] activation dtype
+    zeros: torch.Tensor | None  # [G, N] activation dtype (z'), None: every z' is 8
+    perm: torch.Tensor | None  # [K] int64: column order of x the kernels expect
+    locks: torch.Tensor  # [num_locks] int32 zeros
+    in_features: int  # K
+    out_features: int  # N
+    group_size: int  # sorted rows per group (K when there is one group)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.scales.shape[0])
+
+
+def pack_blocks(q: torch.Tensor) -> torch.Tensor:
+    """q [K, N] of values 0..15 (rows in group order) -> qweight [Kp/8, N] int32, block layout."""
+    k, n = q.shape
+    kp = -(-k // BLOCK_K) * BLOCK_K
+    padded = torch.zeros((kp, n), dtype=torch.int64, device=q.device)
+    padded[:k] = q
+    blocks = padded.view(kp // BLOCK_K, 8, 16, n)  # [block, nibble j, word row r, n]
+    shifts = (torch.arange(8, device=q.device, dtype=torch.int64) * 4).view(1, 8, 1, 1)
+    words = (blocks << shifts).sum(dim=1)  # [block, r, n], unsigned 32-bit values
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.reshape(kp // 8, n).to(torch.int32).contiguous()
+
+
+def unpack_blocks(qweight: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of `pack_blocks`: qweight [Kp/8, N] int32 -> q [K, N] int32 of values 0..15."""
+    kw, n = qweight.shape
+    words = qweight.view(kw // 16, 1, 16, n)
+    shifts = (torch.arange(8, device=qweight.device, dtype=torch.int32) * 4).view(1, 8, 1, 1)
+    return ((words >> shifts) & 0xF).reshape(kw * 8, n)[:k]
+
+
+def make_packed_weight(
+    q: torch.Tensor,  # [K, N] int values 0..15, rows in group order
+    scales: torch.Tensor,  # [G, N] float
+    zeros: torch.Tensor,  # [G, N] int: z' per group
+    group_size: int,
+    perm: torch.Tensor | None,  # [K] int64
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> PackedGPTQWeight:
+    """Repack normalised tensors into the kernel layout on `device` (see PackedGPTQWeight)."""
+    k, n = q.shape
+    assert n % 8 == 0 and scales.shape == zeros.shape == (-(-k // group_size), n)
+    zeros_t = None if bool((zeros == 8).all()) else zeros.to(device=device, dtype=dtype)
+    num_locks = max(-(-n // 16), MIN_LOCKS)
+    return PackedGPTQWeight(
+        qweight=pack_blocks(q).to(device),
+        scales=scales.to(device=device, dtype=dtype).contiguous(),
+        zeros=None if zeros_t is None else zeros_t.contiguous(),
+        perm=None if perm is None else perm.to(device=device, dtype=torch.int64),
+        locks=torch.zeros(num_locks, dtype=torch.int32, device=device),
+        in_features=k,
+        out_features=n,
+        group_size=group_size,
+    )
+
+
+def dequantize_packed(w: PackedGPTQWeight) -> torch.Tensor:
+    """W^T [K, N] fp32 with rows in group order (row k of the result pairs with x[:, perm[k]])."""
+    k = w.in_features
+    q = unpack_blocks(w.qweight, k).float()  # [K, N]
+    g = torch.arange(k, device=q.device) // w.group_size  # [K]
+    z = w.zeros.float()[g] if w.zeros is not None else 8.0
+    return (q - z) * w.scales.float()[g]
+
+
+def gptq_backend() -> str:
+    """The backend named by PAGEDQ_GPTQ_BACKEND (default `auto`), validated."""
+    raw = os.environ.get(BACKEND_ENV, "auto")
+    value = raw.strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ConfigError(f"{BACKEND_ENV}={raw!r} is not a GPTQ backend; choose one of {BACKENDS}")
+    return value
+
+
+def select_path(x: torch.Tensor, w: PackedGPTQWeight) -> str:
+    """The kernel `gptq_matmul` runs: 'torch', 'cuda', 'triton_small' or 'triton_large'."""
+    backend = gptq_backend()
+    m = x.numel() // max(int(x.shape[-1]), 1)
+    if backend == "torch" or (backend == "auto" and not x.is_cuda):
+        return "torch"
+    if backend == "cuda" and not x.is_cuda:
+        raise ValueError(f"{BACKEND_ENV}=cuda needs CUDA tensors, got x on {x.device}")
+    cuda_max_m = CUDA_EXT_MAX_M if backend == "auto" else SMALL_M_MAX_M
+    if backend != "triton" and m <= cuda_max_m and _cuda_ext_applies(x, w):
+        return "cuda"
+    return "triton_small" if m <= SMALL_M_MAX_M else "triton_large"
+
+
+def gptq_matmul_reference(
+    x: torch.Tensor,  # [..., K] (M rows)
+    w: PackedGPTQWeight,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """Dequantize then matmul with fp32 accumulation: [..., K] -> [..., N] in x's dtype."""
+    _check_inputs(x, w, bias)
+    x2 = x.reshape(-1, w.in_features)
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)
+    out = x2.float() @ dequantize_packed(w)  # [M, N] fp32
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+
+def gptq_matmul(
+    x: torch.Tensor,  # [..., K] (M rows), same dtype as the weight's scales
+    w: PackedGPTQWeight,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """y = x @ W^T (+ bias): [..., K] -> [..., N] in x's dtype, on the kernel `select_path` picks."""
+    path = select_path(x, w)
+    if path == "torch":
+        return gptq_matmul_reference(x, w, bias)
+    _check_inputs(x, w, bias)
+    x2 = x.reshape(-1, w.in_features)  # [M, K]
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)
+    elif x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] == 0:
+        out = x2.new_empty((0, w.out_features))
+    elif path == "cuda":
+        out = _launch_cuda(x2, w, bias)
+    else:
+        out = _launch_triton(x2, w, bias, small=path == "triton_small")
+    return out.reshape(*x.shape[:-1], w.out_features)
+
+
+def _check_inputs(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None) -> None:
+    if x.dim() < 1 or x.shape[-1] != w.in_features:
+        raise ValueError(f"x has shape {tuple(x.shape)}; the weight takes {w.in_features} inputs")
+    if x.dtype != w.dtype:
+        raise ValueError(f"x is {x.dtype} but the weight was packed for {w.dtype}")
+    if x.device != w.qweight.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {w.qweight.device}")
+    if bias is not None and (tuple(bias.shape) != (w.out_features,) or bias.device != x.device):
+        raise ValueError(
+            f"bias must be [{w.out_features}] on {x.device}, got {tuple(bias.shape)} on {bias.device}"
+        )
+
+
+def _scale_mode(w: PackedGPTQWeight) -> int:
+    """How often scales change in a 128-row block: 0 never, 1 per 16-row slice, 2 per row."""
+    if w.num_groups == 1 or w.group_size % BLOCK_K == 0:
+        return 0
+    return 1 if w.group_size % 16 == 0 else 2
+
+
+def _launch_triton(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None, small: bool) -> torch.Tensor:
+    """Run the Triton split-K GEMV (small) or tiled GEMM on x [M, K] -> [M, N]."""
+    from triton_kernels import gptq_configs
+
+    gemv_kernel, gemm_kernel = _triton_kernels(x.device)
+    m, k = x.shape
+    n = w.out_features
+    cfg = gptq_configs.small_m_config(m) if small else gptq_configs.large_m_config(m)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    num_blocks = -(-k // BLOCK_K)
+    split, per_split = gptq_configs.split_k(tiles, num_blocks, _num_sms(x.device), w.locks.numel())
+    if split * m * n >= 2**31:  # workspace offsets are int32 in the kernel
+        split, per_split = 1, num_blocks
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    args: tuple[Any, ...] = (
+        x, w.qweight, w.scales, w.scales if w.zeros is None else w.zeros,
+        w.scales if bias is None else bias, out, ws, w.locks,
+        m, n, k, w.group_size, w.num_groups, per_split,
+        x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+    )  # fmt: skip
+    meta: dict[str, Any] = {
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "SPLIT_K": split,
+        "SCALE_MODE": _scale_mode(w), "HAS_ZEROS": w.zeros is not None, "HAS_BIAS": bias is not None,
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+    }  # fmt: skip
+    if small:
+        gemv_kernel[(-(-n // cfg.block_n), split)](*args, **meta)
+    else:
+        gemm_kernel[(tiles, split)](*args, GROUP_M=cfg.group_m, **meta)
+    return out
+
+
+def _launch_cuda(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Run the CUDA extension's GEMV (pagedq::gptq_gemv) on x [M, K] (M <= 16) -> [M, N]."""
+    from triton_kernels import gptq_configs
+
+    m_tile = next(t for t in _CUDA_M_TILES if t >= x.shape[0])
+    num_blocks = -(-w.in_features // BLOCK_K)
+    split, _ = gptq_configs.cuda_split_k(
+        m_tile, w.out_features, num_blocks, _num_sms(x.device), w.locks.numel()
+    )
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return torch.ops.pagedq.gptq_gemv(x, w.qweight, w.scales, w.zeros, bias, w.locks, w.group_size, split)
+
+
+def _cuda_ext_applies(x: torch.Tensor, w: PackedGPTQWeight) -> bool:
+    """The CUDA GEMV takes this call (fp16/bf16, word-aligned groups) and the extension loads."""
+    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if x.numel() // w.in_features > SMALL_M_MAX_M:
+        return False
+    if w.num_groups > 1 and w.group_size % 16 != 0:
+        return False
+    from cuda_ext.build import gptq_ext_available
+
+    return gptq_ext_available(x.device)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _triton_kernels(device: torch.device) -> tuple[Any, Any]:
+    """Import the kernel modules lazily; for CPU tensors, in the Triton interpreter."""
+    if device.type != "cuda":
+        _use_interpreter()
+    from triton_kernels.gptq_gemm import gptq_gemm_kernel
+    from triton_kernels.gptq_gemv import gptq_gemv_kernel
+
+    if device.type != "cuda" and not _is_interpreted(gptq_gemv_kernel):
+        raise ValueError(
+            "the GPTQ Triton kernels were loaded for the GPU in this process; set "
+            "TRITON_INTERPRET=1 before their first use to run them on CPU tensors"
+        )
+    return gptq_gemv_kernel, gptq_gemm_kernel
+
+
+def _use_interpreter() -> None:
+    """Turn the Triton interpreter on if no GPTQ kernel module has been imported yet."""
+    if not any(name in sys.modules for name in _KERNEL_MODULES):
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _is_interpreted(kernel: Any) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)

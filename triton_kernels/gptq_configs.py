@@ -1,0 +1,85 @@
+"""Launch configurations of the GPTQ 4-bit kernels, chosen by shape (plain Python, no Triton).
+
+An explicit table instead of autotuning: the choice is deterministic, costs nothing per call and
+never benchmarks inside a CUDA-graph capture. Starting points for an H200; retune them from
+`bench/bench_gptq.py` (it times every path per M).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BLOCK_K = 128  # input rows per packed block (the layout's interleave period)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """One Triton launch configuration."""
+
+    block_m: int  # rows of x per program (1: FMA GEMV without tl.dot)
+    block_n: int  # output columns per program
+    num_warps: int
+    num_stages: int
+    group_m: int = 8  # row tiles sharing a column slab (GEMM tile order)
+
+
+# (largest M, config) in increasing M; the last entry has no bound.
+SMALL_M_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
+    (1, KernelConfig(block_m=1, block_n=64, num_warps=4, num_stages=3)),
+    (16, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)),
+)
+LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (
+    (32, KernelConfig(block_m=32, block_n=128, num_warps=4, num_stages=4)),
+    (64, KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)),
+    (None, KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+)
+
+SPLIT_K_WAVES = 2  # split K until the grid has about this many programs per SM
+MAX_SPLIT_K = 16  # upper bound on split-K (partials cost workspace traffic)
+CUDA_MIN_BLOCKS_PER_CTA = 8  # CUDA GEMV: keep at least this many 128-row blocks per CTA
+CUDA_TILE_N = 32  # output columns per CTA of the CUDA GEMV (cuda_ext/gptq_gemv.cuh kTileN)
+CUDA_SMEM_BUDGET = 48 * 1024  # bytes of staged activations per CTA (no opt-in needed)
+
+
+def small_m_config(m: int) -> KernelConfig:
+    """Config of the split-K GEMV kernel for `m` rows (m <= 16)."""
+    for max_m, cfg in SMALL_M_CONFIGS:
+        if m <= max_m:
+            return cfg
+    raise ValueError(f"the small-M GPTQ kernel takes at most {SMALL_M_CONFIGS[-1][0]} rows, got {m}")
+
+
+def large_m_config(m: int) -> KernelConfig:
+    """Config of the tiled GEMM kernel for `m` rows."""
+    for max_m, cfg in LARGE_M_CONFIGS:
+        if max_m is None or m <= max_m:
+            return cfg
+    raise AssertionError("LARGE_M_CONFIGS must end with an unbounded entry")
+
+
+def split_k(
+    tiles: int, num_blocks: int, num_sms: int, max_tiles: int, min_blocks: int = 1
+) -> tuple[int, int]:
+    """(split, blocks_per_split) so that `tiles * split` fills about SPLIT_K_WAVES waves.
+
+    Every split gets at least `min_blocks` 128-row blocks (when there are that many) and no split
+    is empty. Split-K needs one lock per tile: with more than `max_tiles` tiles it is off.
+    """
+    if tiles > max_tiles or num_blocks <= 1:
+        return 1, num_blocks
+    wanted = -(-SPLIT_K_WAVES * num_sms // tiles)
+    split = max(1, min(wanted, MAX_SPLIT_K, num_blocks // max(min_blocks, 1)))
+    per_split = -(-num_blocks // split)
+    return -(-num_blocks // per_split), per_split
+
+
+def cuda_split_k(m_tile: int, n: int, num_blocks: int, num_sms: int, max_tiles: int) -> tuple[int, int]:
+    """split-K for the CUDA GEMV: as `split_k`, capped so the staged activations fit in smem."""
+    tiles = -(-n // CUDA_TILE_N)
+    split, per_split = split_k(tiles, num_blocks, num_sms, max_tiles, CUDA_MIN_BLOCKS_PER_CTA)
+    max_per_split = max(1, CUDA_SMEM_BUDGET // (m_tile * BLOCK_K * 2))
+    if per_split > max_per_split:
+        assert tiles <= max_tiles, "the packed weight holds a split-K lock per CUDA column tile"
+        per_split = max_per_split
+        split = -(-num_blocks // per_split)
+    return split, per_split
