@@ -1,10 +1,11 @@
 """Perplexity of a model folder (dense or GPTQ) on a text, with pagedq's own model and kernels.
 
 The text is tokenized once (with the tokenizer's special tokens, e.g. a leading BOS) and scored
-in windows of `window` tokens that start every `stride` tokens. Each token is scored once,
-in the first window that predicts it: the first window scores all its tokens but the first,
-every later window only the tokens past the end of the previous one, with the tokens before
-them as context (`stride == window`: disjoint windows; smaller strides: more context, slower).
+in windows of `window` tokens that start every `stride` tokens. A window scores the tokens past
+the end of the previous window, with the tokens before them in the window as context; a
+window's own first token has no context and is never scored (`stride == window`: disjoint
+windows, one unscored token each, as in transformers' perplexity recipe; smaller strides:
+more context per token, more compute).
 """
 
 from __future__ import annotations
