@@ -395,11 +395,13 @@ def reference_decode_attention(
             f"{block_tables.shape[1]}"
         )
     pages = block_tables[:, :num_blocks].long()  # [num_seqs, num_blocks]
-    k = k_cache[pages].flatten(1, 2)[:, :max_len].float()  # [num_seqs, L, kv_heads, D]
-    v = v_cache[pages].flatten(1, 2)[:, :max_len].float()
+    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [S, L]
+    # slots past a sequence's length may hold anything (even NaN): zero them before use
+    hidden = ~valid[:, :, None, None]
+    k = k_cache[pages].flatten(1, 2)[:, :max_len].float().masked_fill(hidden, 0.0)
+    v = v_cache[pages].flatten(1, 2)[:, :max_len].float().masked_fill(hidden, 0.0)
     qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.einsum("skgd,slkd->skgl", qg, k) * scale  # [num_seqs, kv_heads, G, L]
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [S, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("skgl,slkd->skgd", probs, v).reshape(num_seqs, num_heads, head_dim)
