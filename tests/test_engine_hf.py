@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedq import LLM, SamplingParams
-from tests.tiny_models import hf_greedy, make_tiny_llama
+from tests.tiny_models import hf_greedy, hf_model, make_tiny_llama
 
 STEPS = 32
 SHAPES = {
@@ -65,8 +65,9 @@ def test_greedy_and_logprobs_match_transformers(tmp_path: Path, shape: str) -> N
     llm = LLM(str(folder), dtype="float32", device="cpu", num_blocks=64, block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
     outs = llm.generate(prompts, params, use_tqdm=False)
+    hf = hf_model(folder)
     for prompt, out in zip(prompts, outs, strict=True):
-        ref, ref_lp = hf_greedy(folder, prompt, STEPS)
+        ref, ref_lp = hf_greedy(hf, prompt, STEPS)
         got = out.outputs[0]
         assert got.logprobs is not None and len(got.token_ids) == STEPS
         assert_agrees(got.token_ids, got.logprobs, ref, ref_lp)

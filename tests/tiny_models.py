@@ -102,11 +102,15 @@ def make_tiny_llama(
     return folder
 
 
-def hf_greedy(folder: Path, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and per-step log-probs [vocab] from transformers, fp32, no cache tricks."""
+def hf_model(folder: Path) -> Any:
+    """The folder loaded by transformers, fp32, for reference runs."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and per-step raw log-probs [vocab] from a transformers model."""
     ids = torch.tensor([prompt])
     out = model.generate(
         ids,
@@ -114,10 +118,10 @@ def hf_greedy(folder: Path, prompt: list[int], steps: int) -> tuple[list[int], l
         max_new_tokens=steps,
         min_new_tokens=steps,
         do_sample=False,
-        output_scores=True,
+        output_logits=True,
         return_dict_in_generate=True,
         pad_token_id=0,
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(s[0].float(), -1) for s in out.scores]
+    logprobs = [torch.log_softmax(s[0].float(), -1) for s in out.logits]  # raw, unprocessed
     return tokens, logprobs

@@ -217,11 +217,21 @@ class BlockManager:
 
     # --- registration, forks, release ------------------------------------------------------
 
-    def cache_full_blocks(self, seq: Sequence, extra_key: int = 0) -> None:
-        """Register every full block of `seq` whose K/V are computed, so others can share it."""
+    def cache_full_blocks(
+        self, seq: Sequence, num_tokens: int | None = None, extra_key: int = 0
+    ) -> None:
+        """Register the full blocks among the first `num_tokens` tokens of `seq` (default: its
+        computed tokens), so that other sequences can share them.
+
+        The scheduler registers blocks as soon as it schedules the tokens that fill them: the
+        forward writes every token's K/V of a layer before any attention of that layer reads,
+        so a sequence admitted in the same step can already share them.
+        """
         if not self.enable_prefix_caching or seq.hash_chain_broken:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        if num_tokens is None:
+            num_tokens = seq.num_computed_tokens
+        num_full = num_tokens // self.block_size
         self._extend_hashes(seq, num_full, extra_key)
         for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]

@@ -119,11 +119,15 @@ class Scheduler:
         return SchedulerOutput(tuple(chunks), tuple(preempted), tuple(self.bm.take_copies()))
 
     def commit(self, output: SchedulerOutput) -> None:
-        """After the forward: the chunks' K/V are in the cache; share their full blocks."""
+        """After the forward: the chunks' K/V are in the cache."""
         for chunk in output.chunks:
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            if not self.config.static:
-                self.bm.cache_full_blocks(chunk.seq)
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+        """Record a chunk and share the blocks it fills (see BlockManager.cache_full_blocks)."""
+        chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
+        self.bm.cache_full_blocks(seq, chunk.start + num_new)
+        return chunk
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledChunk], list[Sequence], int]:
         chunks: list[ScheduledChunk] = []
@@ -139,7 +143,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                chunks.append(self._scheduled(seq, num_new))
                 budget -= num_new
                 i += 1
         return chunks, preempted, budget
@@ -156,7 +160,7 @@ class Scheduler:
             if not self.bm.allocate(seq, num_new, hits):
                 break
             self._start(seq, len(hits) * self.bm.block_size)
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            chunks.append(self._scheduled(seq, num_new))
             budget -= num_new
         return chunks
 
