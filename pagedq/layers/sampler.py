@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagedq.sampling_params import SamplingParams
+from pagedq.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class SamplerOutput:
 
 
 def _scatter_index(
-    seqs: Sequence[Sequence[int]], owners: Sequence[int], vocab: int, device: torch.device
+    seqs: Sequence[Collection[int]], owners: Sequence[int], vocab: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, column) index pairs putting each id of `seqs[j]` in row `owners[j]`.
 
@@ -72,36 +72,40 @@ def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
 
-def _min_tokens_targets(rows: Sequence[SamplingRow]) -> tuple[list[int], list[list[int]]]:
-    """Rows still under `min_tokens` that have stop ids, and those ids per row."""
-    targets: list[int] = []
-    ids: list[list[int]] = []
-    for i, row in enumerate(rows):
-        if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens:
-            targets.append(i)
-            ids.append(list(row.stop_token_ids))
-    return targets, ids
+@dataclass(slots=True)
+class _BatchPlan:
+    """Which rows each stage touches (indices into the batch), from one pass over the rows."""
+
+    sampled: list[int]  # rows that are not greedy
+    min_tokens: list[int]  # rows whose stop ids are masked this step
+    repetition: list[int]  # rows with a repetition penalty
+    additive: list[int]  # rows with a presence or frequency penalty
+    num_top: list[int | None]  # per row: top log-probs wanted
+
+    @classmethod
+    def of(cls, rows: Sequence[SamplingRow]) -> _BatchPlan:
+        plan = cls([], [], [], [], [])
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.temperature >= GREEDY_TEMPERATURE_EPS:
+                plan.sampled.append(i)
+            if p.min_tokens and row.stop_token_ids and len(row.output_token_ids) < p.min_tokens:
+                plan.min_tokens.append(i)
+            if p.repetition_penalty != 1.0:
+                plan.repetition.append(i)
+            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                plan.additive.append(i)
+            plan.num_top.append(p.logprobs)
+        return plan
 
 
 def apply_min_tokens(
-    logits: torch.Tensor, targets: Sequence[int], ids: Sequence[list[int]]
+    logits: torch.Tensor, rows: Sequence[SamplingRow], targets: Sequence[int]
 ) -> None:
-    """Mask (in place) `ids[j]` of row `targets[j]`: logits [rows, vocab]."""
+    """Mask (in place) the stop ids of rows `targets`: logits [rows, vocab]."""
+    ids = [rows[i].stop_token_ids for i in targets]
     index = _scatter_index(ids, targets, logits.shape[1], logits.device)
     logits.index_put_(index, torch.tensor(-math.inf, device=logits.device))
-
-
-def _penalised_rows(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int]]:
-    """Rows with a repetition penalty, rows with a presence or frequency penalty."""
-    repetition: list[int] = []
-    additive: list[int] = []
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.repetition_penalty != 1.0:
-            repetition.append(i)
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            additive.append(i)
-    return repetition, additive
 
 
 def apply_penalties(
@@ -262,21 +266,21 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
         raw = logits.float()
-        targets, stop_ids = _min_tokens_targets(rows)
-        repetition, additive = _penalised_rows(rows)
+        plan = _BatchPlan.of(rows)
         x = raw
-        if targets or repetition or additive:
+        if plan.min_tokens or plan.repetition or plan.additive:
             x = raw.clone()  # the raw logits stay untouched for the log-probs
-            if targets:
-                apply_min_tokens(x, targets, stop_ids)
-            apply_penalties(x, rows, repetition, additive)
-        tokens = self._choose(x, rows)
-        return _to_host(raw, tokens, [r.params.logprobs for r in rows])
+            if plan.min_tokens:
+                apply_min_tokens(x, rows, plan.min_tokens)
+            apply_penalties(x, rows, plan.repetition, plan.additive)
+        tokens = self._choose(x, rows, plan.sampled)
+        return _to_host(raw, tokens, plan.num_top)
 
     @staticmethod
-    def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """[rows] int64: argmax for greedy rows, a sample for the others."""
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    def _choose(
+        logits: torch.Tensor, rows: Sequence[SamplingRow], sampled: list[int]
+    ) -> torch.Tensor:
+        """[rows] int64: argmax for greedy rows, a sample for rows `sampled`."""
         if len(sampled) == len(rows):
             return sample_rows(logits, rows)
         tokens = torch.argmax(logits, dim=-1)
@@ -292,25 +296,26 @@ def _to_host(
     num_top: Sequence[int | None],  # per row: top log-probs wanted (capped at vocab); None
 ) -> SamplerOutput:
     """Raw log-probs of the tokens (and the top ones) and everything as Python values."""
-    lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # [rows, 1]
-    chosen = raw.gather(1, tokens.unsqueeze(1)) - lse  # [rows, 1]
-    parts = [tokens.unsqueeze(1).double(), chosen.double()]
+    lse = torch.logsumexp(raw, dim=-1)  # [rows]
+    chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse  # [rows]
+    parts = [tokens.double().unsqueeze(0), chosen.double().unsqueeze(0)]
     vocab = raw.shape[1]
     num_top = [None if k is None else min(k, vocab) for k in num_top]
     max_top = max((k for k in num_top if k is not None), default=0)
     if max_top:
         top = torch.topk(raw, max_top, dim=-1)  # [rows, max_top]
-        parts += [top.indices.double(), (top.values - lse).double()]
-    host = torch.cat(parts, dim=1).tolist()  # ids are exact in float64 (vocab < 2**53)
-    top_logprobs: list[dict[int, float] | None] = []
-    for values, k in zip(host, num_top, strict=True):
-        if k is None:
-            top_logprobs.append(None)
-            continue
-        ids, lps = values[2 : 2 + max_top], values[2 + max_top :]
-        top_logprobs.append({int(ids[j]): lps[j] for j in range(k)})
+        parts += [top.indices.double().T, (top.values - lse.unsqueeze(1)).double().T]
+    # One device -> host copy; ids are exact in float64 (vocab < 2**53).
+    host = torch.cat(parts, dim=0).cpu()  # [2 + 2 * max_top, rows]
+    top_logprobs: list[dict[int, float] | None] = [None] * len(num_top)
+    if max_top:
+        top_ids = host[2 : 2 + max_top].T.long().tolist()  # [rows][max_top]
+        top_values = host[2 + max_top :].T.tolist()  # [rows][max_top]
+        for i, k in enumerate(num_top):
+            if k is not None:
+                top_logprobs[i] = dict(zip(top_ids[i][:k], top_values[i][:k], strict=True))
     return SamplerOutput(
-        token_ids=[int(v[0]) for v in host],
-        logprobs=[v[1] for v in host],
+        token_ids=host[0].long().tolist(),
+        logprobs=host[1].tolist(),
         top_logprobs=top_logprobs,
     )
