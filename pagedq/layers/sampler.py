@@ -87,7 +87,7 @@ class _BatchPlan:
         plan = cls([], [], [], [], [])
         for i, row in enumerate(rows):
             p = row.params
-            if p.temperature >= GREEDY_TEMPERATURE_EPS:
+            if p.temperature >= GREEDY_TEMPERATURE_EPS:  # `not p.greedy`, inlined: hot loop
                 plan.sampled.append(i)
             if p.min_tokens and row.stop_token_ids and len(row.output_token_ids) < p.min_tokens:
                 plan.min_tokens.append(i)
