@@ -52,33 +52,28 @@ def make_batch(
     spare_blocks: int = 3,
     seed: int = 0,
 ) -> PagedBatch:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
     need = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(need) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    tables = torch.zeros(len(seq_lens), max([*need, 1]) + 1, dtype=torch.int32)
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    keys, values = [], []
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    tables = torch.zeros(len(seq_lens), max([*need, 1]) + 1, dtype=torch.int32, device=device)
+    pool = torch.randperm(num_blocks, generator=gen, device=device)
+    keys, values, used = [], [], 0
     for i, n in enumerate(seq_lens):
-        pages, pool = pool[: need[i]], pool[need[i] :]
-        tables[i, : need[i]] = torch.tensor(pages, dtype=torch.int32)
-        k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-        for t in range(0, n, block_size):
-            k_cache[pages[t // block_size], : min(block_size, n - t)] = k[t : t + block_size]
-            v_cache[pages[t // block_size], : min(block_size, n - t)] = v[t : t + block_size]
-        keys.append(k.to(device))
-        values.append(v.to(device))
-    return PagedBatch(
-        k_cache.to(device),
-        v_cache.to(device),
-        tables.to(device),
-        torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        keys,
-        values,
-    )
+        pages, used = pool[used : used + need[i]], used + need[i]
+        tables[i, : need[i]] = pages.int()
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+        pos = torch.arange(n, device=device)
+        slots = pages[pos // block_size] * block_size + pos % block_size
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = k
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = v
+        keys.append(k)
+        values.append(v)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return PagedBatch(k_cache, v_cache, tables, lens, keys, values)
 
 
 def naive_attention(

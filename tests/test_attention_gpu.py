@@ -1,0 +1,169 @@
+"""Paged attention kernels on the GPU at full size, against the references (same file layout
+and tolerances as tests/test_attention.py), plus CUDA-graph capture and no host syncs.
+
+Run: PYTHONPATH=. python3 -m pytest -m gpu tests/test_attention_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedq.ops import attention as attn
+from pagedq.ops.attention import AttentionMetadata
+from tests.test_attention import TOL, make_batch, naive_batch, query_start_loc
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+SHAPES = [(32, 8), (9, 3), (32, 32)]  # (query heads, KV heads): Llama-3-8B, SmolLM2, Llama-2-7B
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(attn.BACKEND_ENV, "triton")
+
+
+def ragged_lengths(block_size: int, longest: int, count: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    edges = [1, block_size - 1, block_size, block_size + 1, longest]
+    return edges + torch.randint(1, longest + 1, (count - len(edges),), generator=gen).tolist()
+
+
+def check_decode(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int,
+    num_splits: int | None,
+) -> None:  # fmt: skip
+    lens = ragged_lengths(block_size, 4096, 24, seed=heads + head_dim + block_size)
+    batch = make_batch(lens, kv_heads, head_dim, block_size, dtype, device="cuda")
+    q = torch.randn(len(lens), heads, head_dim, device="cuda").to(dtype)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, head_dim**-0.5)
+    out = attn.paged_decode_attention(*args, num_splits=num_splits, max_seq_len=4096)
+    torch.testing.assert_close(out, attn.reference_decode_attention(*args), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads"), SHAPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_decode_full_size(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, num_splits: int | None
+) -> None:
+    check_decode(dtype, heads, kv_heads, head_dim, 16, num_splits)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "head_dim"),
+    [(torch.bfloat16, 32, 8, 128), (torch.float16, 9, 3, 64)],
+)
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("num_splits", [1, 7])
+def test_decode_block_sizes(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, num_splits: int
+) -> None:
+    check_decode(dtype, heads, kv_heads, head_dim, block_size, num_splits)
+
+
+def check_prefill(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    # fresh prompts, prefix hits, chunks after unaligned earlier chunks, single queries
+    seq_lens = [1, 700, 2048, 1000 + 333, 3 * block_size, 4000, 129]
+    q_lens = [1, 700, 1500, 333, block_size - 1, 1, 128]
+    batch = make_batch(seq_lens, kv_heads, head_dim, block_size, dtype, device="cuda")
+    q = torch.randn(sum(q_lens), heads, head_dim, device="cuda").to(dtype)
+    qsl = query_start_loc(q_lens, "cuda")
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    out = attn.paged_prefill_attention(*args, qsl, max(q_lens), head_dim**-0.5)
+    expected = attn.reference_prefill_attention(*args, qsl, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads"), SHAPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_full_size(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    check_prefill(dtype, heads, kv_heads, head_dim, 16)
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_prefill_block_sizes(block_size: int) -> None:
+    check_prefill(torch.bfloat16, 32, 8, 128, block_size)
+
+
+def test_reference_matches_naive_on_gpu() -> None:
+    lens = [1, 17, 500, 2049]
+    batch = make_batch(lens, 8, 128, 16, torch.float32, device="cuda")
+    q = torch.randn(4, 32, 128, device="cuda")
+    out = attn.reference_decode_attention(
+        q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 128**-0.5
+    )
+    torch.testing.assert_close(out, naive_batch(batch, q, [1] * 4, 128**-0.5), **TOL[q.dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_full_size(dtype: torch.dtype) -> None:
+    k_cache = torch.randn(512, 16, 8, 128, device="cuda").to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(512 * 16, device="cuda")[:3000]
+    slots[::7] = -1  # skipped
+    k = torch.randn(3000, 8, 128, device="cuda").to(dtype)
+    v = torch.randn(3000, 8, 128, device="cuda").to(dtype)
+    attn.write_kv(k, v, k_cache, v_cache, slots)
+    attn.reference_write_kv(k, v, expected_k, expected_v, slots)
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+def test_decode_step_has_no_host_sync_and_replays_in_a_cuda_graph() -> None:
+    """Capture write_kv + decode once, then replay it over changed lengths and tables."""
+    heads, kv_heads, dim, block_size, num_seqs = 32, 8, 128, 16, 8
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(600, block_size, kv_heads, dim, generator=gen).half().cuda()
+    v_cache = torch.randn(600, block_size, kv_heads, dim, generator=gen).half().cuda()
+    tables = torch.zeros(num_seqs, 64, dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(num_seqs, dtype=torch.int32, device="cuda")
+    slots = torch.zeros(num_seqs, dtype=torch.int64, device="cuda")
+    q = torch.zeros(num_seqs, heads, dim, dtype=torch.half, device="cuda")
+    k_new = torch.zeros(num_seqs, kv_heads, dim, dtype=torch.half, device="cuda")
+    v_new = torch.zeros_like(k_new)
+    meta = AttentionMetadata(
+        slots, tables, seq_lens, query_start_loc([1] * num_seqs, "cuda"), 1, 64 * block_size
+    )
+
+    def step() -> torch.Tensor:
+        attn.write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping)
+        return attn.paged_attention(q, k_cache, v_cache, meta, dim**-0.5)
+
+    def fill(lengths: list[int]) -> None:  # new inputs, in place; 0 = padding row
+        perm = torch.randperm(600, generator=gen)[: num_seqs * 64].view(num_seqs, 64)
+        tables.copy_(perm.int())
+        seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        last = [max(n - 1, 0) for n in lengths]
+        new_slots = [int(perm[i, p // block_size]) * block_size + p % block_size
+                     for i, p in enumerate(last)]  # fmt: skip
+        slots.copy_(torch.tensor([s if n else -1 for s, n in zip(new_slots, lengths, strict=True)]))
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn(t.shape, generator=gen).half())
+
+    fill([1, 5, 16, 17, 300, 1000, 0, 1023])
+    step()  # compile and warm up outside the graph
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()  # raises if anything in the step synchronises with the host
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for lengths in ([3, 64, 65, 1, 900, 1024, 0, 2], [1024] * num_seqs):
+        fill(lengths)
+        graph.replay()
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        expected = attn.reference_decode_attention(q, k_ref, v_ref, tables, seq_lens, dim**-0.5)
+        torch.testing.assert_close(out, expected, **TOL[torch.float16])
