@@ -20,7 +20,7 @@ from pagedq.gptq.rtn import find_grid, quantize_to_grid
 N, K, T = 64, 256, 1024
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def one_thread() -> Iterator[None]:
     # Tiny tensors: one thread avoids OpenMP thrashing when the machine is busy.
     threads = torch.get_num_threads()
@@ -259,7 +259,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor, 
 
     from tests.tiny_models import make_tiny_llama
 
-    torch.set_num_threads(1)
     folder = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "src", hidden_size=64)
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(1)
