@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels.paged_attention_common import kv_row_offsets, online_softmax_step
+from triton_kernels.paged_attention_common import attend_key_range
 
 LOG2E = 1.4426950408889634
 
@@ -124,19 +124,12 @@ def _paged_decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
-    for tile_start in range(start, end, BLOCK_N):
-        toks = tile_start + tl.arange(0, BLOCK_N)
-        tok_mask = toks < end
-        kv_rows = kv_row_offsets(
-            bt_row, toks, tok_mask, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE
-        )
-        kv_ptrs = kv_rows[:, None] + offs_d[None, :]  # [BLOCK_N, D_PAD]
-        kv_mask = tok_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        visible = tok_mask[None, :]  # [1, BLOCK_N], broadcast over the heads
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
+    m_i, l_i, acc = attend_key_range(
+        q, offs_g, m_i, l_i, acc, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_bts, start, end, kv_head, qk_scale,
+        stride_cb, stride_ct, stride_ch,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, PRECISION,
+    )  # fmt: skip
 
     # -- epilogue: normalised output (0 for an empty range) -----------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

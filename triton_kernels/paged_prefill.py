@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels.paged_attention_common import kv_row_offsets, online_softmax_step
+from triton_kernels.paged_attention_common import attend_key_range
 
 LOG2E = 1.4426950408889634
 
@@ -105,41 +105,26 @@ def _paged_prefill_kernel(
     q_ptrs = q_ptr + tok_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, D_PAD]
 
+    # -- phase 1: keys below the tile's first query, seen by every row: no causal mask ----
     kv_head = head // GROUP
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-
-    # -- phase 1: keys every row of the tile sees, no causal mask -------------------------
-    full_end = ((ctx + m_tile * BLOCK_M) // BLOCK_N) * BLOCK_N
-    for tile_start in range(0, full_end, BLOCK_N):
-        toks = tile_start + tl.arange(0, BLOCK_N)
-        all_keys = toks < full_end  # always true: every key of this range is visible
-        kv_rows = kv_row_offsets(
-            bt_row, toks, all_keys, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE
-        )
-        kv_ptrs = kv_rows[:, None] + offs_d[None, :]  # [BLOCK_N, D_PAD]
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
-        m_i, l_i, acc = online_softmax_step(
-            q, k, v, all_keys[None, :], m_i, l_i, acc, qk_scale, PRECISION
-        )
+    full_end = tl.maximum(((ctx + m_tile * BLOCK_M) // BLOCK_N) * BLOCK_N, 0)
+    m_i, l_i, acc = attend_key_range(
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, 0, full_end, kv_head,
+        qk_scale, stride_cb, stride_ct, stride_ch,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, PRECISION,
+    )  # fmt: skip
 
     # -- phase 2: the diagonal band up to the tile's last query, causal mask -------------
     band_end = ctx + tl.minimum((m_tile + 1) * BLOCK_M, q_len)
-    for tile_start in range(full_end, band_end, BLOCK_N):
-        toks = tile_start + tl.arange(0, BLOCK_N)
-        tok_mask = toks < band_end
-        kv_rows = kv_row_offsets(
-            bt_row, toks, tok_mask, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE
-        )
-        kv_ptrs = kv_rows[:, None] + offs_d[None, :]
-        kv_mask = tok_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        visible = tok_mask[None, :] & (toks[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
+    m_i, l_i, acc = attend_key_range(
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, full_end, band_end, kv_head,
+        qk_scale, stride_cb, stride_ct, stride_ch,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, PRECISION,
+    )  # fmt: skip
 
     # -- epilogue ----------------------------------------------------------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
