@@ -1,0 +1,124 @@
+"""GPTQ kernels on the GPU at Llama-2-7B sizes: the CUDA extension and both Triton paths against
+the reference, in fp16 and bf16, and the custom op inside CUDA-graph capture and torch.compile.
+
+Run: PYTHONPATH=. pytest -m gpu tests/test_gptq_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedq.gptq.linear import GPTQLinear
+from pagedq.ops.gptq import BACKEND_ENV, gptq_matmul_reference, select_path
+from tests.test_gptq_linear import make_checkpoint, reference_output
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (K, N)
+MS = [1, 2, 16, 17, 64, 256]
+# Weights are rounded to the dtype once and outputs once; the CUDA GEMV also sums the 8
+# products of a word in the dtype. Relative to the largest output: fp16 2**-11, bf16 2**-8.
+TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(scope="module")
+def layers() -> dict[tuple[int, int, torch.dtype], GPTQLinear]:
+    built = {}
+    for k, n in SHAPES:
+        ck = make_checkpoint(seed=k + n, k=k, n=n, group_size=128, zero_mode="sym_v1")
+        for dtype in TOLERANCE:
+            built[(k, n, dtype)] = GPTQLinear([ck.tensors], ck.config, dtype, device="cuda")
+    return built
+
+
+def _check(lin: GPTQLinear, x: torch.Tensor, out: torch.Tensor) -> None:
+    packed, bias = lin.segment(0)
+    ref = gptq_matmul_reference(x.float(), _as_fp32(packed), None if bias is None else bias.float())
+    err = (out.float() - ref).abs().max().item()
+    assert err <= TOLERANCE[x.dtype] * ref.abs().max().item(), err
+    assert int(packed.locks.abs().sum()) == 0  # split-K counters reset
+
+
+def _as_fp32(packed):  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    zeros = None if packed.zeros is None else packed.zeros.float()
+    return replace(packed, scales=packed.scales.float(), zeros=zeros)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("backend", ["cuda", "triton", "auto"])
+def test_paths_match_reference(layers, backend, m, shape, dtype, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    lin = layers[(*shape, dtype)]
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    x = torch.randn(m, shape[0], device="cuda", dtype=dtype)
+    path = select_path(x, lin.segment(0)[0])
+    if backend == "cuda" and m <= 16 and path != "cuda":
+        pytest.skip("CUDA extension unavailable (see the warning)")
+    _check(lin, x, lin(x))
+
+
+@pytest.mark.parametrize("zero_mode", ["v1", "v2"])
+@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_act_order_asymmetric_with_bias_and_fusion(backend, m, zero_mode, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    parts = [
+        make_checkpoint(seed=s, k=4096, n=n, group_size=128, zero_mode=zero_mode, desc_act=True, bias=True, g_idx_rng_seed=7)
+        for s, n in ((1, 4096), (2, 1024), (3, 1024))
+    ]
+    lin = GPTQLinear([p.tensors for p in parts], parts[0].config, torch.float16, device="cuda")
+    assert lin.num_segments == 1
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+    out = lin(x).double().cpu()
+    ref = reference_output(x.cpu(), parts)
+    assert (out - ref).abs().max() <= TOLERANCE[torch.float16] * ref.abs().max()
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_cuda_graph_capture_and_replay(layers, backend, m, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    lin = layers[(4096, 11008, torch.float16)]
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    static_x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: builds the extension, compiles Triton
+        for _ in range(2):
+            lin(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = lin(static_x)
+    for _ in range(3):
+        static_x.copy_(torch.randn_like(static_x))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(lin, static_x, static_out)
+
+
+def test_custom_op_has_a_fake_kernel_and_compiles(layers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lin = layers[(4096, 4096, torch.bfloat16)]
+    packed, _ = lin.segment(0)
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    if select_path(x, packed) != "cuda":
+        pytest.skip("CUDA extension unavailable (see the warning)")
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pagedq.gptq_gemv(x, packed.qweight, packed.scales, None, None, packed.locks, 128, 2)
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = call(mode.from_tensor(x))
+    assert fake.shape == (3, 4096) and fake.dtype == torch.bfloat16
+    compiled = torch.compile(call, fullgraph=True)
+    torch.testing.assert_close(compiled(x), call(x))
+    _check(lin, x, call(x))

@@ -1,0 +1,179 @@
+"""GPTQ Triton kernels in the interpreter (TRITON_INTERPRET=1 on CPU), the dispatch and split-K
+policy, and the CUDA GEMV's per-thread arithmetic run on the host (when nvcc is installed).
+
+Every kernel result is compared with x @ W^T computed in float64 from the independently packed
+and dequantized checkpoints of test_gptq_linear.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedq.errors import ConfigError
+from pagedq.gptq.linear import GPTQLinear
+from pagedq.ops.gptq import BACKEND_ENV, gptq_matmul, select_path
+from tests.test_gptq_linear import Checkpoint, make_checkpoint, reference_output
+from triton_kernels import gptq_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(lin: GPTQLinear, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    return lin(x)
+
+
+def _assert_matches(out: torch.Tensor, x: torch.Tensor, parts: list[Checkpoint]) -> None:
+    ref = reference_output(x.reshape(-1, x.shape[-1]), parts).reshape(out.shape)
+    # fp32: the kernels' only differences are fp32 summation order (K <= 512 terms)
+    # fp16: weights rounded to fp16 once (2**-11) and the output rounded to fp16
+    tol = 1e-5 if out.dtype == torch.float32 else 4e-3
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol * max(ref.abs().max().item(), 1.0), err
+
+
+CASES = [
+    # (k, n, group_size, zero_mode, desc_act, bias): cover scale modes 0 (128, -1), 1 (32, 64), 2 (40)
+    (256, 64, 128, "sym_v1", False, False),
+    (384, 96, 64, "v1", True, True),
+    (512, 48, 32, "v2", True, False),
+    (200, 40, 64, "sym_v1_stores_8", False, True),  # K not a multiple of 128: padded block
+    (256, 32, -1, "v1", False, False),
+    (320, 24, 40, "v2", True, True),  # group size not a multiple of 16: per-row scales
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 33])
+def test_triton_paths_match_the_reference(case: tuple, m: int, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[type-arg]
+    k, n, group_size, zero_mode, desc_act, bias = case
+    ck = make_checkpoint(seed=k + n, k=k, n=n, group_size=group_size, zero_mode=zero_mode, desc_act=desc_act, bias=bias)
+    lin = GPTQLinear([ck.tensors], ck.config, torch.float32)
+    x = torch.randn(m, k)
+    _assert_matches(_run(lin, x, monkeypatch), x, [ck])
+    packed, _ = lin.segment(0)
+    assert int(packed.locks.abs().sum()) == 0  # split-K counters are reset
+
+
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_triton_fp16_and_fused_parts(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    parts = [make_checkpoint(seed=s, k=256, n=32, group_size=64, zero_mode="v1", bias=s == 2) for s in (1, 2, 3)]
+    lin = GPTQLinear([p.tensors for p in parts], parts[0].config, torch.float16)
+    assert lin.num_segments == 1
+    x = torch.randn(m, 256).half()
+    _assert_matches(_run(lin, x, monkeypatch), x, parts)
+
+
+def test_triton_with_different_g_idx_per_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    parts = [
+        make_checkpoint(seed=s, k=256, n=16, group_size=32, zero_mode="v2", desc_act=True, g_idx_rng_seed=s)
+        for s in (4, 5)
+    ]
+    lin = GPTQLinear([p.tensors for p in parts], parts[0].config, torch.float32)
+    assert lin.num_segments == 2
+    for m in (2, 18):
+        x = torch.randn(1, m, 256)
+        _assert_matches(_run(lin, x, monkeypatch), x, parts)
+
+
+def test_split_k_is_used_and_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
+    ck = make_checkpoint(seed=1, k=1024, n=32, group_size=128, zero_mode="v1")
+    lin = GPTQLinear([ck.tensors], ck.config, torch.float32)
+    split, per_split = gptq_configs.split_k(tiles=1, num_blocks=8, num_sms=4, max_tiles=1024)
+    assert split > 1 and per_split * split >= 8
+    x = torch.randn(2, 1024)
+    first = _run(lin, x, monkeypatch)
+    assert torch.equal(first, _run(lin, x, monkeypatch))
+    _assert_matches(first, x, [ck])
+
+
+def test_gptq_matmul_checks_inputs() -> None:
+    ck = make_checkpoint(seed=1, k=128, n=16)
+    packed, _ = GPTQLinear([ck.tensors], ck.config, torch.float32).segment(0)
+    with pytest.raises(ValueError, match="128"):
+        gptq_matmul(torch.randn(2, 64), packed)
+    with pytest.raises(ValueError, match="bias"):
+        gptq_matmul(torch.randn(2, 128), packed, torch.zeros(8))
+    assert gptq_matmul(torch.randn(0, 128), packed).shape == (0, 16)
+
+
+def test_dispatch_by_backend_and_m(monkeypatch: pytest.MonkeyPatch) -> None:
+    ck = make_checkpoint(seed=1, k=128, n=16)
+    packed, _ = GPTQLinear([ck.tensors], ck.config, torch.float32).segment(0)
+    x1, x40 = torch.randn(1, 128), torch.randn(40, 128)
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert select_path(x1, packed) == "torch"  # auto on CPU
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    assert select_path(x1, packed) == "triton_small"
+    assert select_path(x40, packed) == "triton_large"
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match="CUDA"):
+        select_path(x1, packed)
+    monkeypatch.setenv(BACKEND_ENV, "fast")
+    with pytest.raises(ConfigError, match="fast"):
+        select_path(x1, packed)
+
+
+@pytest.mark.parametrize("tiles", [1, 3, 128, 384, 2000])
+@pytest.mark.parametrize("num_blocks", [1, 2, 32, 86])
+def test_split_k_policy_has_no_empty_split(tiles: int, num_blocks: int) -> None:
+    split, per_split = gptq_configs.split_k(tiles, num_blocks, num_sms=132, max_tiles=1024)
+    assert 1 <= split <= gptq_configs.MAX_SPLIT_K
+    assert (split - 1) * per_split < num_blocks <= split * per_split
+    if tiles > 1024:
+        assert split == 1
+    for m_tile in (1, 16):
+        split, per_split = gptq_configs.cuda_split_k(m_tile, tiles * 32, num_blocks, 132, 4096)
+        assert (split - 1) * per_split < num_blocks <= split * per_split
+        assert m_tile * per_split * 128 * 2 <= gptq_configs.CUDA_SMEM_BUDGET
+
+
+# --- CUDA GEMV arithmetic on the host -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def host_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    exe = tmp_path_factory.mktemp("cuda") / "host_check"
+    src = ROOT / "cuda_ext" / "host_check.cu"
+    subprocess.run([nvcc, "-std=c++17", "-O1", "-arch=sm_90", "-o", str(exe), str(src)], check=True)
+    return exe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("k", "n", "group_size", "zero_mode", "m", "dtype", "split"),
+    [
+        (384, 96, 64, "v1", 3, torch.float16, 2),
+        (576, 64, 128, "sym_v1", 1, torch.float16, 1),
+        (512, 128, 32, "v2", 16, torch.bfloat16, 3),
+        (200, 40, -1, "sym_v2", 5, torch.bfloat16, 1),
+    ],
+)
+def test_cuda_gemv_arithmetic_on_host(host_check: Path, tmp_path: Path, k, n, group_size, zero_mode, m, dtype, split) -> None:  # type: ignore[no-untyped-def]
+    ck = make_checkpoint(seed=k, k=k, n=n, group_size=group_size, zero_mode=zero_mode, desc_act=group_size > 0)
+    lin = GPTQLinear([ck.tensors], ck.config, dtype)
+    packed, _ = lin.segment(0)
+    x = torch.randn(m, k).to(dtype)
+    xs = x[:, packed.perm] if packed.perm is not None else x
+    header = [int(dtype == torch.bfloat16), m, n, k, packed.group_size, packed.num_groups]
+    header += [int(packed.zeros is not None), split]
+    blob = [np.array(header, np.int32).tobytes(), xs.contiguous().view(torch.int16).numpy().tobytes()]
+    blob += [packed.qweight.numpy().tobytes(), packed.scales.view(torch.int16).numpy().tobytes()]
+    if packed.zeros is not None:
+        blob.append(packed.zeros.view(torch.int16).numpy().tobytes())
+    (tmp_path / "in.bin").write_bytes(b"".join(blob))
+    subprocess.run([str(host_check), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    out = torch.from_numpy(np.fromfile(tmp_path / "out.bin", np.float32)).view(m, n)
+    ref = reference_output(x, [ck])
+    # weights rounded to dtype once, 8-product partial sums in dtype (bf16: 2**-9 relative)
+    tol = 2e-3 if dtype == torch.float16 else 1.5e-2
+    assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
