@@ -208,7 +208,9 @@ def bench_decode_case(case: DecodeCase, gen: torch.Generator) -> dict:
         return attn.paged_decode_attention(*args, scale, max_seq_len=max_len)
 
     out = public()
-    row["auto_splits"] = attn.choose_num_splits(case.batch, case.kv_heads, max_len, q.device)
+    row["auto_splits"] = paged_decode.choose_num_splits(
+        case.batch, case.kv_heads, max_len, q.device
+    )
     row["pagedq_us"] = time_us(public)
     try:
         row["pagedq_graph_us"] = float(triton.testing.do_bench_cudagraph(public, rep=40)) * 1e3

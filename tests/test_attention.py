@@ -405,13 +405,15 @@ def test_triton_backend_runs_the_kernel(backend, monkeypatch: pytest.MonkeyPatch
 
 
 def test_num_splits_fill_the_sms(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attn, "_num_sms", lambda device: 132)
-    cpu = torch.device("cpu")
-    assert attn.choose_num_splits(256, 8, 4096, cpu) == 1  # 2048 programs fill 132 SMs
-    assert attn.choose_num_splits(64, 8, 4096, cpu) == 2
-    assert attn.choose_num_splits(1, 8, 32768, cpu) == 32  # capped
-    assert attn.choose_num_splits(1, 8, 600, cpu) == 2  # splits of >= 256 tokens
-    assert attn.choose_num_splits(4, 1, 100, cpu) == 1
+    from triton_kernels import paged_decode
+
+    monkeypatch.setattr(paged_decode, "_num_sms", lambda device: 132)
+    choose, cpu = paged_decode.choose_num_splits, torch.device("cpu")
+    assert choose(256, 8, 4096, cpu) == 1  # 2048 programs fill 132 SMs
+    assert choose(64, 8, 4096, cpu) == 2
+    assert choose(1, 8, 32768, cpu) == 32  # capped
+    assert choose(1, 8, 600, cpu) == 2  # splits of >= 256 tokens
+    assert choose(4, 1, 100, cpu) == 1
 
 
 def _decode_inputs(**changes: object) -> dict[str, object]:

@@ -21,6 +21,7 @@ Tensor layouts:
   part_out   [num_seqs, num_heads, num_splits, D_PAD] fp32 (split path only)
   part_lse   [num_seqs, num_heads, num_splits]        fp32, -inf for an empty split
 
+Split count: `choose_num_splits` (shapes and a max_seq_len bound, never tensor values).
 Configs: no triton.autotune (its first-call benchmarking would run inside CUDA-graph capture
 and in the slow interpreter); `DecodeConfig` holds the tunables, `default_config` picks them
 from the shape, and bench/bench_attention.py sweeps them on the GPU.
@@ -30,6 +31,7 @@ A sequence with seq_len 0 (a padding row of a captured batch) gets an all-zero o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,9 @@ import triton.language as tl
 from triton_kernels.paged_attention_common import attend_key_range
 
 LOG2E = 1.4426950408889634
+SPLIT_PROGRAMS_PER_SM = 4  # split the context until the grid has this many programs per SM
+MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more (q load, merge) than it hides
+MAX_SPLITS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +59,24 @@ def default_config(head_dim: int, block_size: int) -> DecodeConfig:
     """Tile config for a cache shape; 64-token tiles keep ~32 KB of K/V in flight per stage."""
     block_n = 64 if head_dim <= 128 else 32
     return DecodeConfig(block_n=max(block_n, min(block_size, 128)), num_warps=4, num_stages=2)
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+) -> int:
+    """Split count from shapes and a length bound: fill the SMs, keep splits long enough."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = -(-SPLIT_PROGRAMS_PER_SM * _num_sms(device) // programs)
+    by_length = max(max_seq_len // MIN_SPLIT_TOKENS, 1)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # interpreter: programs run one after another
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ small or too large costs speed, never correctness.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 import sys
@@ -34,9 +33,6 @@ BACKEND_ENV = "PAGEDQ_ATTENTION_BACKEND"
 BACKENDS = ("auto", "triton", "torch")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_TRITON_HEAD_DIM = 256  # widest head the kernels hold in registers (padded to a power of 2)
-_SPLIT_PROGRAMS_PER_SM = 4  # decode splits until the grid has this many programs per SM
-_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more (q load, merge) than it hides
-_MAX_SPLITS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +135,7 @@ def paged_decode_attention(
         return out
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * k_cache.shape[1]
-        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], bound, q.device)
+        num_splits = kernels.choose_num_splits(q.shape[0], k_cache.shape[2], bound, q.device)
     kernels.launch(
         _last_dim_contiguous(q), k_cache, v_cache, block_tables, seq_lens, out, scale, num_splits
     )
@@ -245,24 +241,6 @@ def _is_interpreted(module: ModuleType) -> bool:
         if type(obj).__name__ in ("JITFunction", "InterpretedFunction")
     ]  # fmt: skip
     return all(isinstance(fn, InterpretedFunction) for fn in kernels)
-
-
-def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
-) -> int:
-    """Split count of the decode grid: enough programs to fill the SMs, splits not too short."""
-    programs = max(num_seqs * num_kv_heads, 1)
-    wanted = -(-_SPLIT_PROGRAMS_PER_SM * _num_sms(device) // programs)
-    by_length = max(max_seq_len // _MIN_SPLIT_TOKENS, 1)
-    return max(1, min(wanted, by_length, _MAX_SPLITS))
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # interpreter: programs run one after another
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 # ---------------------------------------------------------------------------------------
