@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -58,6 +59,8 @@ def default_model_dir() -> Path:
         return target
     source = default_gguf_path()
     from pagedq.loader.gguf_convert import convert_gguf_to_hf  # heavy: only when converting
+
+    print(f"pagedq: converting {source.name} into {target} (first use only)", file=sys.stderr)
 
     try:
         return convert_gguf_to_hf(source, target, dtype=torch.float16)
