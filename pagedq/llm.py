@@ -92,10 +92,12 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
+        conversations: list[Messages] = (
+            [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[arg-type, list-item]
+        )
+        prompts: list[Prompt] = [
             self.tokenizer.apply_chat_template(list(conv), add_generation_prompt)
-            for conv in conversations  # type: ignore[union-attr]
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -126,8 +128,8 @@ def _as_batch(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
-        return [items]  # one prompt given as token ids
-    return items
+        return [[int(t) for t in items]]  # type: ignore[arg-type]  # one prompt as token ids
+    return items  # type: ignore[return-value]
 
 
 def _per_prompt(

@@ -126,7 +126,7 @@ class Engine:
         elif isinstance(prompt, Seq) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
-            ids, text = list(prompt), None
+            ids, text = [int(t) for t in prompt], None
         else:
             raise InvalidRequestError(
                 f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}"

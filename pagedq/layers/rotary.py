@@ -43,10 +43,12 @@ def _llama3_frequencies(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k in place of a cos/sin cache lookup."""
 
+    inv_freq: torch.Tensor  # [head_dim / 2] fp32
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.register_buffer("inv_freq", inv, persistent=False)  # [head_dim / 2] fp32
+        self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(
         self,
