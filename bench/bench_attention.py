@@ -11,7 +11,8 @@ call reuses stays in L2). Decode TB/s = (K/V bytes needed, a shared prefix count
 + q + out) / time, against the 4.28 TB/s copy ceiling. Prefill TFLOP/s counts the causal
 QK^T and PV FLOPs. Peers: torch SDPA on a contiguous padded cache (decode) or the same
 tokens laid out contiguously (prefill, flash backend); flashinfer's
-BatchDecodeWithPagedKVCacheWrapper (NHD, plan outside the timed region) when importable.
+BatchDecodeWithPagedKVCacheWrapper (NHD, plan outside the timed region, the faster of its
+CUDA-core and tensor-core variants) when importable.
 pagedq is timed through its public op (shape heuristics), then its kernels are swept over
 tile configs and split counts; the best is reported beside it.
 
@@ -163,7 +164,9 @@ def contiguous_kv(pool: PagedPool) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return k, v, mask[:, None, None, :]
 
 
-def flashinfer_decode(pool: PagedPool, case: DecodeCase, q: torch.Tensor, scale: float):
+def flashinfer_decode(
+    pool: PagedPool, case: DecodeCase, q: torch.Tensor, scale: float, tensor_cores: bool
+):
     """A run() closure of flashinfer's paged decode, planned here; a string if unavailable."""
     try:
         import flashinfer  # type: ignore[import-not-found]
@@ -172,7 +175,9 @@ def flashinfer_decode(pool: PagedPool, case: DecodeCase, q: torch.Tensor, scale:
         indices = torch.tensor([i for p in pool.pages for i in p], dtype=torch.int32)
         last = torch.tensor([(n - 1) % PAGE + 1 for n in pool.lens], dtype=torch.int32)
         workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=DEVICE)
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_tensor_cores=tensor_cores
+        )
         wrapper.plan(
             indptr.to(DEVICE), indices.to(DEVICE), last.to(DEVICE),
             case.heads, case.kv_heads, HEAD_DIM, PAGE,
@@ -238,10 +243,16 @@ def bench_decode_case(case: DecodeCase, gen: torch.Generator) -> dict:
     # -- peers ---------------------------------------------------------------------------
     row["sdpa_us"], ref = sdpa_decode(pool, case, q, scale)
     row["max_abs_diff_vs_sdpa"] = float((out.float() - ref.float()).abs().max())
-    fi = flashinfer_decode(pool, case, q, scale)
-    row["flashinfer_us"] = fi if isinstance(fi, str) else try_time_us(fi)
-    if not isinstance(fi, str):
-        row["max_abs_diff_vs_flashinfer"] = float((out.float() - fi().float()).abs().max())
+    for tensor_cores in (False, True):  # flashinfer's CUDA-core and tensor-core decode
+        fi = flashinfer_decode(pool, case, q, scale, tensor_cores)
+        key = "flashinfer_tc_us" if tensor_cores else "flashinfer_cuda_cores_us"
+        row[key] = fi if isinstance(fi, str) else try_time_us(fi)
+        if not isinstance(fi, str):
+            row["max_abs_diff_vs_flashinfer"] = float((out.float() - fi().float()).abs().max())
+        del fi
+    peers = [row[k] for k in ("flashinfer_cuda_cores_us", "flashinfer_tc_us")]
+    timed = [t for t in peers if isinstance(t, float)]
+    row["flashinfer_us"] = min(timed) if timed else peers[0]  # the faster of the two
     for key in ("pagedq_us", "best_us", "flashinfer_us", "sdpa_us"):
         t = row[key]
         row[key.replace("_us", "_tbs")] = nbytes / t / 1e6 if isinstance(t, float) else None
