@@ -189,7 +189,9 @@ def test_reference_rejects_lengths_beyond_the_block_table() -> None:
 # decode kernel (interpreted) vs the reference
 # ---------------------------------------------------------------------------------------
 
-# (GQA group, head_dim, block_size, dtype, num_splits): every pair of values appears
+# (GQA group, head_dim, block_size, dtype, num_splits): every pair of values appears, the
+# split-K path counted as on (num_splits > 1) or off (1, or None: the heuristic's choice,
+# 1 for grids this small on CPU)
 DECODE_CASES = [
     (1, 64, 16, torch.float32, 1),
     (1, 128, 32, torch.float16, 4),
