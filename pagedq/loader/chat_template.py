@@ -22,14 +22,16 @@ from pagedq.errors import InvalidRequestError, TokenizerError
 
 
 def find_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
-    """tokenizer_config.json's template (a string or [{name, template}]: "default"), else
-    chat_template.jinja."""
+    """`chat_template.jinja` if the folder has one (it wins, as in transformers), else
+    tokenizer_config.json's `chat_template`: a string, or [{name, template}] of which
+    "default" is taken."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    if template is None and (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
     if template is not None and not isinstance(template, str):
         raise TokenizerError(f"chat_template must be a string, got {type(template).__name__}")
     return template

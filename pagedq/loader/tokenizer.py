@@ -77,7 +77,7 @@ class Tokenizer:
         specials = {name: _token_content(config.get(name)) for name in _NAMED_SPECIALS}
         backend: _Backend
         if (folder / TOKENIZER_JSON).is_file():
-            backend = _TokenizersBackend(folder / TOKENIZER_JSON, config, added, specials)
+            backend = _TokenizersBackend(folder / TOKENIZER_JSON, added, specials)
         elif (folder / SENTENCEPIECE_MODEL).is_file():
             sp_backend = SentencePieceBackend(folder / SENTENCEPIECE_MODEL, config)
             specials = sp_backend.fill_specials(specials)
@@ -151,15 +151,15 @@ class Tokenizer:
 class _TokenizersBackend:
     """`tokenizer.json` through the `tokenizers` library, with transformers' additions.
 
-    Special tokens named in tokenizer_config.json but missing from the file are added; an
-    explicit `add_bos_token` / `add_eos_token` replaces the file's post-processor; truncation
-    and padding stored in the file are switched off (a prompt is never cut silently).
+    Special tokens named in tokenizer_config.json but missing from the file are added; the
+    file's post-processor alone decides which special tokens `encode` adds (transformers 5
+    ignores `add_bos_token` / `add_eos_token` when there is a tokenizer.json); truncation and
+    padding stored in the file are switched off (a prompt is never cut silently).
     """
 
     def __init__(
         self,
         path: Path,
-        config: dict[str, Any],
         added: list[AddedTokenSpec],
         specials: dict[str, str | None],
     ) -> None:
@@ -175,8 +175,6 @@ class _TokenizersBackend:
             if spec.content not in known:
                 self._add(spec)
                 known.add(spec.content)
-        if "add_bos_token" in config or "add_eos_token" in config:
-            self._set_post_processor(config, specials)
 
     def _add(self, spec: AddedTokenSpec) -> None:
         token = tokenizers.AddedToken(
@@ -190,19 +188,6 @@ class _TokenizersBackend:
             self._tk.add_special_tokens([token])
         else:
             self._tk.add_tokens([token])
-
-    def _set_post_processor(self, config: dict[str, Any], specials: dict[str, str | None]) -> None:
-        """bos/eos around each sequence exactly as the two flags say (transformers 5)."""
-        bos, eos = specials["bos_token"], specials["eos_token"]
-        use_bos = bool(config.get("add_bos_token")) and bos is not None
-        use_eos = bool(config.get("add_eos_token")) and eos is not None
-        single = f"{f'{bos}:0 ' if use_bos else ''}$A:0{f' {eos}:0' if use_eos else ''}"
-        pair = f"{single}{f' {bos}:1' if use_bos else ''} $B:1{f' {eos}:1' if use_eos else ''}"
-        used = [t for t, on in ((bos, use_bos), (eos, use_eos)) if on and t is not None]
-        pairs = [(t, self._tk.token_to_id(t)) for t in used]
-        self._tk.post_processor = tokenizers.processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=pairs
-        )
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tk.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -285,13 +270,16 @@ class IncrementalDetokenizer:
     """Streams the text of one sequence's output tokens.
 
     Invariant: after every `add`, `text` equals `decode(ids)` of all tokens added so far (with
-    `skip_special_tokens` as given), except that a tail ending in U+FFFD (an incomplete UTF-8
-    character spread over tokens) is held back until a later token completes it, or `flush()`.
-    Each step decodes only a short window `ids[prefix_offset:]`, where
-    `ids[prefix_offset:read_offset]` is the chunk emitted last: the new token is decoded in
-    context, so a sentencepiece leading space or a split byte sequence comes out as in the full
-    decode. The text is that of the output alone, as transformers' `decode(output_ids)`; the
-    prompt ids are kept for the caller (`prompt_token_ids`), not decoded.
+    `skip_special_tokens` as given) whenever that decode does not end in U+FFFD; when it does
+    (a UTF-8 character spread over tokens is unfinished) that tail is held back until a later
+    token completes it, or until `flush()`. Each step decodes only a short window
+    `ids[prefix_offset:]`, where `ids[prefix_offset:read_offset]` is the chunk emitted last, so
+    the new token is decoded in context (a sentencepiece leading space, a split byte sequence
+    come out as in the full decode). The text is that of the output alone, as transformers'
+    `decode(output_ids)`; the prompt ids are kept for the caller (`prompt_token_ids`).
+    Known limit: a run of byte-fallback pieces that is not valid UTF-8 decodes (in
+    transformers too) to one U+FFFD per byte, so a character streamed from the start of such a
+    run is not taken back; only malformed output can do this.
     """
 
     def __init__(
