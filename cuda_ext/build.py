@@ -70,7 +70,9 @@ def _build(capability: tuple[int, int]) -> None:
     if cpp_extension.CUDA_HOME is None:
         raise RuntimeError("nvcc not found (CUDA_HOME unset)")
     arch = f"{capability[0]}{capability[1]}"
-    tag = re.sub(r"[^A-Za-z0-9_.]", "_", f"torch{torch.__version__}-cu{torch.version.cuda}-sm{arch}")
+    tag = re.sub(
+        r"[^A-Za-z0-9_.]", "_", f"torch{torch.__version__}-cu{torch.version.cuda}-sm{arch}"
+    )
     build_dir = cache_dir() / tag
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", str(min(8, os.cpu_count() or 1)))

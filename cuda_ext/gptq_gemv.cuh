@@ -168,6 +168,15 @@ __host__ __device__ inline uint4 load_words(const int32_t* ptr) {
 #endif
 }
 
+// Ask L2 for a block's 16 word rows of 4 columns, so the fetch overlaps activation staging.
+__device__ inline void prefetch_block(const int32_t* qweight, int b, int n, int n0) {
+  const int32_t* wp = qweight + static_cast<int64_t>(b) * kWordRows * n + n0;
+#pragma unroll
+  for (int r = 0; r < kWordRows; ++r) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + static_cast<int64_t>(r) * n));
+  }
+}
+
 // Scale and MAGIC + z' of nibble pairs p = (j, j+4) of block b, for columns n0..n0+3.
 template <typename T>
 __host__ __device__ inline void load_group_params(const GemvParams<T>& p, int b, int n0,
@@ -244,12 +253,14 @@ __host__ __device__ inline void accumulate_block(const GemvParams<T>& p, const T
 // Copy x[0:M_TILE, k_begin : k_begin + span] into shared memory in staged order (0 past M, K).
 template <typename T, int M_TILE>
 __device__ inline void stage_activations(const GemvParams<T>& p, T* staged, int k_begin, int span) {
-  for (int i = threadIdx.x; i < M_TILE * span; i += kThreads) {
-    const int m = i / span;
-    const int kl = i - m * span;
-    const int k = k_begin + kl;
-    const bool inside = m < p.M && k < p.K;
-    staged[m * span + staged_index(kl)] = inside ? p.x[m * p.x_stride + k] : Pair<T>::from_float(0.0f);
+  const T zero = Pair<T>::from_float(0.0f);
+#pragma unroll
+  for (int m = 0; m < M_TILE; ++m) {
+    const T* row = p.x + m * p.x_stride + k_begin;
+    const int valid = m < p.M ? min(span, p.K - k_begin) : 0;  // coalesced reads along K
+    for (int kl = threadIdx.x; kl < span; kl += kThreads) {
+      staged[m * span + staged_index(kl)] = kl < valid ? row[kl] : zero;
+    }
   }
 }
 
@@ -333,7 +344,8 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const GemvParams<T>
   const int b_end = min(b_begin + p.blocks_per_split, num_blocks);
   const int span = max(b_end - b_begin, 0) * kBlockK;
 
-  // --- stage activations, stream the weights once
+  // --- stage activations (first weight block already on its way), stream the weights once
+  if (n0 < p.N && b_begin + tk < b_end) prefetch_block(p.qweight, b_begin + tk, p.N, n0);
   stage_activations<T, M_TILE>(p, staged, b_begin * kBlockK, span);
   __syncthreads();
   float acc[M_TILE][kCols] = {};

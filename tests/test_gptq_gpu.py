@@ -69,7 +69,16 @@ def test_paths_match_reference(layers, backend, m, shape, dtype, monkeypatch) ->
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_act_order_asymmetric_with_bias_and_fusion(backend, m, zero_mode, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     parts = [
-        make_checkpoint(seed=s, k=4096, n=n, group_size=128, zero_mode=zero_mode, desc_act=True, bias=True, g_idx_rng_seed=7)
+        make_checkpoint(
+            seed=s,
+            k=4096,
+            n=n,
+            group_size=128,
+            zero_mode=zero_mode,
+            desc_act=True,
+            bias=True,
+            g_idx_rng_seed=7,
+        )
         for s, n in ((1, 4096), (2, 1024), (3, 1024))
     ]
     lin = GPTQLinear([p.tensors for p in parts], parts[0].config, torch.float16, device="cuda")
@@ -114,7 +123,9 @@ def test_custom_op_has_a_fake_kernel_and_compiles(layers, monkeypatch) -> None: 
         pytest.skip("CUDA extension unavailable (see the warning)")
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.pagedq.gptq_gemv(x, packed.qweight, packed.scales, None, None, packed.locks, 128, 2)
+        return torch.ops.pagedq.gptq_gemv(
+            x, packed.qweight, packed.scales, None, None, packed.locks, 128, 2
+        )
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = call(mode.from_tensor(x))

@@ -39,7 +39,8 @@ def _assert_matches(out: torch.Tensor, x: torch.Tensor, parts: list[Checkpoint])
 
 
 CASES = [
-    # (k, n, group_size, zero_mode, desc_act, bias): cover scale modes 0 (128, -1), 1 (32, 64), 2 (40)
+    # (k, n, group_size, zero_mode, desc_act, bias)
+    # scale modes: 0 (group 128, -1), 1 (32, 64), 2 (40: not a multiple of 16)
     (256, 64, 128, "sym_v1", False, False),
     (384, 96, 64, "v1", True, True),
     (512, 48, 32, "v2", True, False),
@@ -51,9 +52,19 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 33])
-def test_triton_paths_match_the_reference(case: tuple, m: int, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[type-arg]
+def test_triton_paths_match_the_reference(
+    case: tuple, m: int, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[type-arg]
     k, n, group_size, zero_mode, desc_act, bias = case
-    ck = make_checkpoint(seed=k + n, k=k, n=n, group_size=group_size, zero_mode=zero_mode, desc_act=desc_act, bias=bias)
+    ck = make_checkpoint(
+        seed=k + n,
+        k=k,
+        n=n,
+        group_size=group_size,
+        zero_mode=zero_mode,
+        desc_act=desc_act,
+        bias=bias,
+    )
     lin = GPTQLinear([ck.tensors], ck.config, torch.float32)
     x = torch.randn(m, k)
     _assert_matches(_run(lin, x, monkeypatch), x, [ck])
@@ -63,7 +74,10 @@ def test_triton_paths_match_the_reference(case: tuple, m: int, monkeypatch: pyte
 
 @pytest.mark.parametrize("m", [1, 5, 20])
 def test_triton_fp16_and_fused_parts(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    parts = [make_checkpoint(seed=s, k=256, n=32, group_size=64, zero_mode="v1", bias=s == 2) for s in (1, 2, 3)]
+    parts = [
+        make_checkpoint(seed=s, k=256, n=32, group_size=64, zero_mode="v1", bias=s == 2)
+        for s in (1, 2, 3)
+    ]
     lin = GPTQLinear([p.tensors for p in parts], parts[0].config, torch.float16)
     assert lin.num_segments == 1
     x = torch.randn(m, 256).half()
@@ -72,7 +86,9 @@ def test_triton_fp16_and_fused_parts(m: int, monkeypatch: pytest.MonkeyPatch) ->
 
 def test_triton_with_different_g_idx_per_part(monkeypatch: pytest.MonkeyPatch) -> None:
     parts = [
-        make_checkpoint(seed=s, k=256, n=16, group_size=32, zero_mode="v2", desc_act=True, g_idx_rng_seed=s)
+        make_checkpoint(
+            seed=s, k=256, n=16, group_size=32, zero_mode="v2", desc_act=True, g_idx_rng_seed=s
+        )
         for s in (4, 5)
     ]
     lin = GPTQLinear([p.tensors for p in parts], parts[0].config, torch.float32)
@@ -158,20 +174,29 @@ def host_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (200, 40, -1, "sym_v2", 5, torch.bfloat16, 1),
     ],
 )
-def test_cuda_gemv_arithmetic_on_host(host_check: Path, tmp_path: Path, k, n, group_size, zero_mode, m, dtype, split) -> None:  # type: ignore[no-untyped-def]
-    ck = make_checkpoint(seed=k, k=k, n=n, group_size=group_size, zero_mode=zero_mode, desc_act=group_size > 0)
+def test_cuda_gemv_arithmetic_on_host(
+    host_check: Path, tmp_path: Path, k, n, group_size, zero_mode, m, dtype, split
+) -> None:  # type: ignore[no-untyped-def]
+    ck = make_checkpoint(
+        seed=k, k=k, n=n, group_size=group_size, zero_mode=zero_mode, desc_act=group_size > 0
+    )
     lin = GPTQLinear([ck.tensors], ck.config, dtype)
     packed, _ = lin.segment(0)
     x = torch.randn(m, k).to(dtype)
     xs = x[:, packed.perm] if packed.perm is not None else x
     header = [int(dtype == torch.bfloat16), m, n, k, packed.group_size, packed.num_groups]
     header += [int(packed.zeros is not None), split]
-    blob = [np.array(header, np.int32).tobytes(), xs.contiguous().view(torch.int16).numpy().tobytes()]
+    blob = [
+        np.array(header, np.int32).tobytes(),
+        xs.contiguous().view(torch.int16).numpy().tobytes(),
+    ]
     blob += [packed.qweight.numpy().tobytes(), packed.scales.view(torch.int16).numpy().tobytes()]
     if packed.zeros is not None:
         blob.append(packed.zeros.view(torch.int16).numpy().tobytes())
     (tmp_path / "in.bin").write_bytes(b"".join(blob))
-    subprocess.run([str(host_check), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    subprocess.run(
+        [str(host_check), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True
+    )
     out = torch.from_numpy(np.fromfile(tmp_path / "out.bin", np.float32)).view(m, n)
     ref = reference_output(x, [ck])
     # weights rounded to dtype once, 8-product partial sums in dtype (bf16: 2**-9 relative)

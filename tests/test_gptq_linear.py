@@ -109,7 +109,12 @@ def reference_output(x: torch.Tensor, ckpts: list[Checkpoint]) -> torch.Tensor:
     biases = [c.tensors.bias for c in ckpts]
     if any(b is not None for b in biases):
         n = [c.expected_wt.shape[1] for c in ckpts]
-        out += torch.cat([b.double() if b is not None else torch.zeros(m) for b, m in zip(biases, n)])
+        out += torch.cat(
+            [
+                b.double() if b is not None else torch.zeros(m)
+                for b, m in zip(biases, n, strict=True)
+            ]
+        )
     return out
 
 
@@ -125,11 +130,17 @@ def test_pack_helper_matches_the_documented_example() -> None:
 @pytest.mark.parametrize("zero_mode", ZERO_MODES)
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 @pytest.mark.parametrize("desc_act", [False, True])
-def test_dequantized_weight_matches_independent_dequant(zero_mode: str, group_size: int, desc_act: bool) -> None:
-    ck = make_checkpoint(seed=7, k=256, n=48, group_size=group_size, zero_mode=zero_mode, desc_act=desc_act)
+def test_dequantized_weight_matches_independent_dequant(
+    zero_mode: str, group_size: int, desc_act: bool
+) -> None:
+    ck = make_checkpoint(
+        seed=7, k=256, n=48, group_size=group_size, zero_mode=zero_mode, desc_act=desc_act
+    )
     lin = GPTQLinear([ck.tensors], ck.config, torch.float32)
     # fp32 holds (q - z') * s exactly up to one rounding of the product: relative 2**-24
-    torch.testing.assert_close(lin.dequantized_weight().double(), ck.expected_wt.t(), rtol=1e-7, atol=0)
+    torch.testing.assert_close(
+        lin.dequantized_weight().double(), ck.expected_wt.t(), rtol=1e-7, atol=0
+    )
 
 
 def test_asym_v1_stored_15_reads_as_16() -> None:
@@ -181,11 +192,17 @@ def test_block_layout_puts_row_16j_plus_r_in_nibble_j_of_word_r() -> None:
 
 
 def test_parts_with_equal_g_idx_fuse_into_one_segment() -> None:
-    parts = [make_checkpoint(seed=s, k=128, n=n, zero_mode="v1", bias=s == 1) for s, n in ((1, 32), (2, 16), (3, 16))]
+    parts = [
+        make_checkpoint(seed=s, k=128, n=n, zero_mode="v1", bias=s == 1)
+        for s, n in ((1, 32), (2, 16), (3, 16))
+    ]
     lin = GPTQLinear([p.tensors for p in parts], parts[0].config, torch.float32)
     assert lin.num_segments == 1 and lin.out_features == 64
     torch.testing.assert_close(
-        lin.dequantized_weight().double(), torch.cat([p.expected_wt for p in parts], 1).t(), rtol=1e-7, atol=0
+        lin.dequantized_weight().double(),
+        torch.cat([p.expected_wt for p in parts], 1).t(),
+        rtol=1e-7,
+        atol=0,
     )
     x = torch.randn(3, 128)
     torch.testing.assert_close(lin(x).double(), reference_output(x, parts), rtol=1e-5, atol=1e-5)
@@ -193,7 +210,16 @@ def test_parts_with_equal_g_idx_fuse_into_one_segment() -> None:
 
 def test_parts_with_different_g_idx_stay_separate_and_concatenate() -> None:
     parts = [
-        make_checkpoint(seed=s, k=256, n=24, group_size=64, zero_mode="v2", desc_act=True, g_idx_rng_seed=g, bias=True)
+        make_checkpoint(
+            seed=s,
+            k=256,
+            n=24,
+            group_size=64,
+            zero_mode="v2",
+            desc_act=True,
+            g_idx_rng_seed=g,
+            bias=True,
+        )
         for s, g in ((1, 100), (2, 100), (3, 200))
     ]
     lin = GPTQLinear([p.tensors for p in parts], parts[0].config, torch.float32)
@@ -209,7 +235,9 @@ def test_parts_with_different_g_idx_stay_separate_and_concatenate() -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_forward_on_the_torch_path(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(BACKEND_ENV, "torch")
-    ck = make_checkpoint(seed=21, k=192, n=40, group_size=64, zero_mode="v1", desc_act=True, bias=True)
+    ck = make_checkpoint(
+        seed=21, k=192, n=40, group_size=64, zero_mode="v1", desc_act=True, bias=True
+    )
     lin = GPTQLinear([ck.tensors], ck.config, dtype)
     x = torch.randn(7, 192).to(dtype)
     out = lin(x)
@@ -254,7 +282,11 @@ def _int(t: torch.Tensor) -> torch.Tensor:
         (lambda t, c: (replace(t, scales=_int(t.scales)), c), CheckpointError, "int32"),
         (lambda t, c: (replace(t, g_idx=t.g_idx[:120]), c), CheckpointError, "(120,)"),
         (lambda t, c: (replace(t, g_idx=t.g_idx.clone().fill_(2)), c), CheckpointError, "value 2"),
-        (lambda t, c: (replace(t, g_idx=t.g_idx.clone().fill_(-1)), c), CheckpointError, "value -1"),
+        (
+            lambda t, c: (replace(t, g_idx=t.g_idx.clone().fill_(-1)), c),
+            CheckpointError,
+            "value -1",
+        ),
         (lambda t, c: (replace(t, bias=t.bias[:8]), c), CheckpointError, "(8,)"),
         (lambda t, c: (t, replace(c, group_size=32)), CheckpointError, "(4, 2)"),
     ],

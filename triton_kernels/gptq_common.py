@@ -1,4 +1,4 @@
-"""Shared pieces of the GPTQ 4-bit Triton kernels: the main loop over packed blocks and the epilogue.
+"""Shared pieces of the GPTQ 4-bit Triton kernels: main loop over packed blocks, and the epilogue.
 
 Algorithm: out[m, n] = sum_k x[m, k] * (q[k, n] - z[g(k), n]) * s[g(k), n] (+ bias[n]), with the
 weights dequantized in registers, fp32 accumulation, and optional split-K over the input rows.
@@ -167,7 +167,9 @@ def accumulate_blocks(
 
 
 @triton.jit
-def _write_output(acc, offs_m, offs_n, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr):
+def _write_output(
+    acc, offs_m, offs_n, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr
+):
     """acc [BLOCK_M, BLOCK_N] fp32 (+ bias) -> out in its dtype."""
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
@@ -190,12 +192,13 @@ def store_output(
     bias_ptr,
     ws_ptr,  # [SPLIT_K, M, N] fp32
     locks_ptr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K,  # number of K splits (runtime: one compiled kernel serves every split count)
+    USE_SPLIT_K: tl.constexpr,  # SPLIT_K > 1
     HAS_BIAS: tl.constexpr,
 ):
     """Write the tile, or with split-K let the last program to arrive reduce and write it."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if SPLIT_K == 1:
+    if not USE_SPLIT_K:
         _write_output(acc, offs_m, offs_n, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
     else:
         # --- publish this partial, then count arrivals (release/acquire at GPU scope);
@@ -209,7 +212,9 @@ def store_output(
             # --- last program: sum partials in split order, write, reset the counter
             total = tl.zeros_like(acc)
             for split in range(SPLIT_K):
-                part = tl.load(ws_ptr + split * plane + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
+                part = tl.load(
+                    ws_ptr + split * plane + ws_offs, mask=mask, other=0.0, cache_modifier=".cg"
+                )
                 total += part
             _write_output(total, offs_m, offs_n, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
             tl.atomic_xchg(locks_ptr + tile, 0)

@@ -46,7 +46,9 @@ def small_m_config(m: int) -> KernelConfig:
     for max_m, cfg in SMALL_M_CONFIGS:
         if m <= max_m:
             return cfg
-    raise ValueError(f"the small-M GPTQ kernel takes at most {SMALL_M_CONFIGS[-1][0]} rows, got {m}")
+    raise ValueError(
+        f"the small-M GPTQ kernel takes at most {SMALL_M_CONFIGS[-1][0]} rows, got {m}"
+    )
 
 
 def large_m_config(m: int) -> KernelConfig:
@@ -73,7 +75,9 @@ def split_k(
     return -(-num_blocks // per_split), per_split
 
 
-def cuda_split_k(m_tile: int, n: int, num_blocks: int, num_sms: int, max_tiles: int) -> tuple[int, int]:
+def cuda_split_k(
+    m_tile: int, n: int, num_blocks: int, num_sms: int, max_tiles: int
+) -> tuple[int, int]:
     """split-K for the CUDA GEMV: as `split_k`, capped so the staged activations fit in smem."""
     tiles = -(-n // CUDA_TILE_N)
     split, per_split = split_k(tiles, num_blocks, num_sms, max_tiles, CUDA_MIN_BLOCKS_PER_CTA)

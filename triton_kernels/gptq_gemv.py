@@ -42,6 +42,7 @@ def gptq_gemv_kernel(
     GROUP,
     NUM_GROUPS,
     BLOCKS_PER_SPLIT,
+    SPLIT_K,
     # strides
     stride_xm,
     stride_qk,
@@ -50,7 +51,7 @@ def gptq_gemv_kernel(
     # constexprs
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    USE_SPLIT_K: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -73,5 +74,5 @@ def gptq_gemv_kernel(
     # --- write, or reduce split-K partials in the last program to arrive
     store_output(
         acc, offs_m, offs_n, M, N, pid_k, pid_n, out_ptr, stride_om, bias_ptr, ws_ptr, locks_ptr,
-        SPLIT_K, HAS_BIAS,
+        SPLIT_K, USE_SPLIT_K, HAS_BIAS,
     )  # fmt: skip

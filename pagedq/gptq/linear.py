@@ -167,7 +167,9 @@ class GPTQLinear(torch.nn.Module):
             self._dense_t = self.dequantized_weight().t().contiguous()
             biases = [self.segment(s) for s in range(self.num_segments)]
             if any(b is not None for _, b in biases):
-                pieces = [b if b is not None else p.scales.new_zeros(p.out_features) for p, b in biases]
+                pieces = [
+                    b if b is not None else p.scales.new_zeros(p.out_features) for p, b in biases
+                ]
                 self._dense_bias = torch.cat(pieces).float()
         out = x2.float() @ self._dense_t  # [M, N] fp32 accumulate
         if self._dense_bias is not None:
@@ -205,10 +207,14 @@ def _check_part(i: int, t: GPTQTensors, config: GPTQConfig) -> tuple[int, int, i
     where = f"GPTQ part {i}"
     qw = t.qweight
     if qw.dtype != torch.int32 or qw.dim() != 2:
-        raise CheckpointError(f"{where}: qweight must be 2-D int32, got {qw.dtype} {tuple(qw.shape)}")
+        raise CheckpointError(
+            f"{where}: qweight must be 2-D int32, got {qw.dtype} {tuple(qw.shape)}"
+        )
     k, n = int(qw.shape[0]) * 8, int(qw.shape[1])
     if k == 0 or n == 0 or n % 8 != 0:
-        raise CheckpointError(f"{where}: qweight {tuple(qw.shape)} gives N={n}; N must be a positive multiple of 8")
+        raise CheckpointError(
+            f"{where}: qweight {tuple(qw.shape)} gives N={n}; N must be a positive multiple of 8"
+        )
     g = _num_groups(config, k)
     _expect(where, "qzeros", t.qzeros, (g, n // 8), int_dtype=True)
     _expect(where, "scales", t.scales, (g, n), int_dtype=False)
@@ -230,7 +236,9 @@ def _check_part(i: int, t: GPTQTensors, config: GPTQConfig) -> tuple[int, int, i
     return k, n, g
 
 
-def _expect(where: str, name: str, t: torch.Tensor, shape: tuple[int, int], int_dtype: bool) -> None:
+def _expect(
+    where: str, name: str, t: torch.Tensor, shape: tuple[int, int], int_dtype: bool
+) -> None:
     if tuple(t.shape) != shape:
         raise CheckpointError(f"{where}: {name} has shape {tuple(t.shape)}, expected {shape}")
     if int_dtype and t.dtype != torch.int32:

@@ -32,14 +32,18 @@ BACKEND_ENV = "PAGEDQ_GPTQ_BACKEND"
 BACKENDS = ("auto", "cuda", "triton", "torch")
 
 # Dispatch thresholds on M (rows of x), set from bench/bench_gptq.py on an H200.
-CUDA_EXT_MAX_M = 4  # auto: CUDA GEMV up to here (fp32 FMA on CUDA cores: cheap at tiny M)
+CUDA_EXT_MAX_M = 2  # auto: CUDA GEMV up to here (its products run on CUDA cores: tiny M only)
 SMALL_M_MAX_M = 16  # split-K GEMV (CUDA or Triton) up to here, tiled GEMM above
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # split-K arrival counters per weight (>= tiles of any split launch)
 _INTERPRETER_SMS = 4  # "SM count" used to size split-K in the Triton interpreter
 _CUDA_M_TILES = (1, 2, 4, 8, 16)  # row counts the CUDA GEMV is compiled for
-_KERNEL_MODULES = ("triton_kernels.gptq_common", "triton_kernels.gptq_gemv", "triton_kernels.gptq_gemm")
+_KERNEL_MODULES = (
+    "triton_kernels.gptq_common",
+    "triton_kernels.gptq_gemv",
+    "triton_kernels.gptq_gemm",
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,7 +182,7 @@ def gptq_matmul(
     w: PackedGPTQWeight,
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """y = x @ W^T (+ bias): [..., K] -> [..., N] in x's dtype, on the kernel `select_path` picks."""
+    """y = x @ W^T (+ bias): [..., K] -> [..., N] in x's dtype, on the path `select_path` picks."""
     path = select_path(x, w)
     if path == "torch":
         return gptq_matmul_reference(x, w, bias)
@@ -206,7 +210,8 @@ def _check_inputs(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | Non
         raise ValueError(f"x is on {x.device} but the weight is on {w.qweight.device}")
     if bias is not None and (tuple(bias.shape) != (w.out_features,) or bias.device != x.device):
         raise ValueError(
-            f"bias must be [{w.out_features}] on {x.device}, got {tuple(bias.shape)} on {bias.device}"
+            f"bias must be [{w.out_features}] on {x.device}, "
+            f"got {tuple(bias.shape)} on {bias.device}"
         )
 
 
@@ -217,7 +222,9 @@ def _scale_mode(w: PackedGPTQWeight) -> int:
     return 1 if w.group_size % 16 == 0 else 2
 
 
-def _launch_triton(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None, small: bool) -> torch.Tensor:
+def _launch_triton(
+    x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None, small: bool
+) -> torch.Tensor:
     """Run the Triton split-K GEMV (small) or tiled GEMM on x [M, K] -> [M, N]."""
     from triton_kernels import gptq_configs
 
@@ -235,12 +242,13 @@ def _launch_triton(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | No
     args: tuple[Any, ...] = (
         x, w.qweight, w.scales, w.scales if w.zeros is None else w.zeros,
         w.scales if bias is None else bias, out, ws, w.locks,
-        m, n, k, w.group_size, w.num_groups, per_split,
+        m, n, k, w.group_size, w.num_groups, per_split, split,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
     )  # fmt: skip
     meta: dict[str, Any] = {
-        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "SPLIT_K": split,
-        "SCALE_MODE": _scale_mode(w), "HAS_ZEROS": w.zeros is not None, "HAS_BIAS": bias is not None,
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "USE_SPLIT_K": split > 1,
+        "SCALE_MODE": _scale_mode(w), "HAS_ZEROS": w.zeros is not None,
+        "HAS_BIAS": bias is not None,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
     }  # fmt: skip
     if small:
@@ -261,7 +269,9 @@ def _launch_cuda(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None
     )
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    return torch.ops.pagedq.gptq_gemv(x, w.qweight, w.scales, w.zeros, bias, w.locks, w.group_size, split)
+    return torch.ops.pagedq.gptq_gemv(
+        x, w.qweight, w.scales, w.zeros, bias, w.locks, w.group_size, split
+    )
 
 
 def _cuda_ext_applies(x: torch.Tensor, w: PackedGPTQWeight) -> bool:

@@ -1,0 +1,408 @@
+"""W4a: the 224 GPTQ linears of a Llama-2-7B decode step: pagedq vs cuBLAS fp16, aten int4, Marlin.
+
+Conditions: one GPU, the 32 layers of Llama-2-7B with fused projections, as the model runs
+them: per layer qkv 4096->12288, o 4096->4096, gate_up 4096->22016, down 11008->4096 (224
+checkpoint linears in 128 launches), random 4-bit weights, group size 128, symmetric (3.34 GB:
+nothing stays in L2), fp16 activations (bf16 for aten's tinygemm). For each batch M the whole
+stack is captured in one CUDA graph and replayed (eager time in brackets); medians of
+CUDA-event-timed repeats. TB/s = weight bytes read / time, against the 4.28 TB/s copy ceiling.
+
+Peers, same graph method: dense fp16 cuBLAS (12.95 GB of weights), aten
+`torch._weight_int4pack_mm` (tinygemm, bf16), and Marlin through GPTQModel when importable.
+Then the small-M paths alone (CUDA extension vs Triton GEMV, Triton GEMV vs GEMM) at
+M = 1..32, to set the dispatch thresholds in pagedq/ops/gptq.py.
+
+Run (about 3-4 minutes on an H200, including the CUDA extension build):
+    PYTHONPATH=. python3 bench/bench_gptq.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+from pagedq.ops import gptq as ops
+from pagedq.ops.gptq import PackedGPTQWeight
+
+COPY_CEILING_TBS = 4.28
+LAYERS = 32
+GROUP = 128
+SHAPES = (("qkv", 4096, 12288), ("o", 4096, 4096), ("gate_up", 4096, 22016), ("down", 11008, 4096))
+MS = (1, 16, 64, 256)
+SMALL_MS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+TARGETS_MS = {1: 1.1, 16: 1.4, 64: 3.5}  # targets.md W4a (M=256: within 1.2x of dense fp16)
+Stack = Callable[[], None]
+
+
+def time_ms(fn: Stack, repeats: int, warmup: int = 3) -> float:
+    """Median milliseconds of `fn` (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graphed(fn: Stack) -> Stack:
+    """`fn` captured once in a CUDA graph (after a warm-up on a side stream); returns replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def inputs(m: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    return {k: torch.randn(m, k, device="cuda", dtype=dtype) for k in (4096, 11008)}
+
+
+# --- the stacks ---------------------------------------------------------------------------
+
+
+def pagedq_weights() -> list[PackedGPTQWeight]:
+    weights = []
+    for _ in range(LAYERS):
+        for _, k, n in SHAPES:
+            weights.append(
+                PackedGPTQWeight(
+                    qweight=torch.randint(
+                        -(2**31),
+                        2**31 - 1,
+                        (-(-k // 128) * 16, n),
+                        dtype=torch.int32,
+                        device="cuda",
+                    ),
+                    scales=(torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).half(),
+                    zeros=None,
+                    perm=None,
+                    locks=torch.zeros(
+                        max(n // 16, ops.MIN_LOCKS), dtype=torch.int32, device="cuda"
+                    ),
+                    in_features=k,
+                    out_features=n,
+                    group_size=GROUP,
+                )
+            )
+    return weights
+
+
+def weight_bytes(weights: list[PackedGPTQWeight]) -> int:
+    return sum(w.qweight.numel() * 4 + w.scales.numel() * 2 for w in weights)
+
+
+def pagedq_stack(
+    weights: list[PackedGPTQWeight], m: int, call: Callable[..., Any] | None = None
+) -> Stack:
+    xs = inputs(m, torch.float16)
+    matmul = call or ops.gptq_matmul
+
+    def run() -> None:
+        for w in weights:
+            matmul(xs[w.in_features], w)
+
+    return run
+
+
+def dense_weights() -> list[torch.Tensor]:
+    return [
+        torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+        for _ in range(LAYERS)
+        for _, k, n in SHAPES
+    ]
+
+
+def dense_stack(weights: list[torch.Tensor], m: int) -> Stack:
+    xs = inputs(m, torch.float16)
+
+    def run() -> None:
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    return run
+
+
+def tinygemm_layers() -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """aten int4 weights (bf16 scales and zeros); raises if this torch's signatures differ."""
+    layers = []
+    for _, k, n in SHAPES:
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
+        packed_u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
+        w = torch._convert_weight_to_int4pack(packed_u8, 8)
+        sz = torch.empty(k // GROUP, n, 2, device="cuda", dtype=torch.bfloat16)
+        sz[..., 0].uniform_(0.001, 0.01)
+        sz[..., 1].zero_()
+        torch._weight_int4pack_mm(
+            torch.randn(1, k, device="cuda", dtype=torch.bfloat16), w, GROUP, sz
+        )
+        layers.append((w, sz, k))
+    return layers * LAYERS  # shared per shape: 4-bit weights are re-read each time, nothing cached
+
+
+def tinygemm_stack(layers: list[tuple[torch.Tensor, torch.Tensor, int]], m: int) -> Stack:
+    xs = inputs(m, torch.bfloat16)
+
+    def run() -> None:
+        for w, sz, k in layers:
+            torch._weight_int4pack_mm(xs[k], w, GROUP, sz)
+
+    return run
+
+
+def marlin_layers() -> list[torch.nn.Module]:
+    from gptqmodel.nn_modules.qlinear.marlin import MarlinQuantLinear  # type: ignore[import-not-found]
+
+    layers = []
+    for _ in range(LAYERS):
+        for _, k, n in SHAPES:
+            lin = MarlinQuantLinear(
+                bits=4,
+                group_size=GROUP,
+                desc_act=False,
+                sym=True,
+                in_features=k,
+                out_features=n,
+                bias=False,
+            )
+            lin = lin.to("cuda")
+            lin.qweight.data = torch.randint(
+                -(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda"
+            )
+            lin.scales.data = (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).half()
+            lin.qzeros.data = torch.full(
+                (k // GROUP, n // 8), 0x77777777, dtype=torch.int32, device="cuda"
+            )
+            lin.g_idx.data = (torch.arange(k, device="cuda") // GROUP).int()
+            lin.post_init()
+            layers.append(lin)
+    return layers
+
+
+def module_stack(layers: list[torch.nn.Module], m: int) -> Stack:
+    xs = inputs(m, torch.float16)
+
+    def run() -> None:
+        for lin in layers:
+            lin(xs[lin.in_features])
+
+    return run
+
+
+# --- measurement --------------------------------------------------------------------------
+
+
+def measure(fn: Stack, nbytes: int, repeats: int) -> dict[str, float]:
+    eager = time_ms(fn, max(3, repeats // 4))
+    graph = time_ms(graphed(fn), repeats)
+    return {"graph_ms": graph, "eager_ms": eager, "tbs": nbytes / graph / 1e9}
+
+
+def accuracy(weights: list[PackedGPTQWeight], ms: list[int]) -> dict[str, float]:
+    """Worst max|error| / max|reference| of each path over the first layer's four linears."""
+    worst: dict[str, float] = {}
+    for m in ms:
+        paths = ["cuda", "triton"] if m <= ops.SMALL_M_MAX_M else ["triton"]
+        for backend in paths:
+            for w in weights[: len(SHAPES)]:
+                x = torch.randn(m, w.in_features, device="cuda", dtype=torch.float16)
+                out = with_backend(backend, lambda x=x, w=w: ops.gptq_matmul(x, w)).float()
+                ref = ops.gptq_matmul_reference(x.float(), replace(w, scales=w.scales.float()))
+                key = f"M={m} {backend}"
+                worst[key] = max(
+                    worst.get(key, 0.0), ((out - ref).abs().max() / ref.abs().max()).item()
+                )
+    return worst
+
+
+def with_backend(name: str, fn: Callable[[], Any]) -> Any:
+    old = os.environ.get(ops.BACKEND_ENV)
+    os.environ[ops.BACKEND_ENV] = name
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop(ops.BACKEND_ENV, None)
+        else:
+            os.environ[ops.BACKEND_ENV] = old
+
+
+def small_m_sweep(
+    weights: list[PackedGPTQWeight], nbytes: int, repeats: int
+) -> list[dict[str, Any]]:
+    """Graph time of the stack per small-M path, to set CUDA_EXT_MAX_M and SMALL_M_MAX_M."""
+    paths: dict[str, Callable[..., torch.Tensor]] = {
+        "cuda": lambda x, w: ops._launch_cuda(x, w, None),
+        "triton_gemv": lambda x, w: ops._launch_triton(x, w, None, small=True),
+        "triton_gemm": lambda x, w: ops._launch_triton(x, w, None, small=False),
+    }
+    x0 = torch.randn(1, 4096, device="cuda", dtype=torch.float16)
+    if not ops._cuda_ext_applies(x0, weights[0]):
+        del paths["cuda"]
+    rows = []
+    for m in SMALL_MS:
+        row: dict[str, Any] = {"m": m}
+        for name, call in paths.items():
+            if m > ops.SMALL_M_MAX_M and name != "triton_gemm":
+                continue
+            ms = time_ms(graphed(pagedq_stack(weights, m, call)), repeats)
+            row[name] = {"graph_ms": ms, "tbs": nbytes / ms / 1e9}
+        rows.append(row)
+        print(
+            f"  small-M sweep M={m}: "
+            + ", ".join(f"{k} {v['graph_ms']:.3f} ms" for k, v in row.items() if k != "m"),
+            flush=True,
+        )
+    return rows
+
+
+def run_peer(
+    name: str, build: Callable[[], Any], results: dict[str, Any], fn: Callable[[Any], None]
+) -> None:
+    try:
+        state = build()
+    except Exception as exc:  # peers are optional: record why and go on
+        results["skipped"][name] = " ".join(str(exc).split())[:300] or type(exc).__name__
+        print(f"  {name}: skipped ({results['skipped'][name]})", flush=True)
+        return
+    fn(state)
+    del state
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--ms", type=str, default=",".join(map(str, MS)))
+    parser.add_argument("--no-peers", action="store_true")
+    args = parser.parse_args()
+    ms = [int(v) for v in args.ms.split(",")]
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    results: dict[str, Any] = {
+        "workload": "W4a: 224 GPTQ linears of a Llama-2-7B decode step (128 launches), g128 sym",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": props.name, "sms": props.multi_processor_count,
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "python": sys.version.split()[0], "command": " ".join([sys.executable, *sys.argv]),
+        "thresholds": {"CUDA_EXT_MAX_M": ops.CUDA_EXT_MAX_M, "SMALL_M_MAX_M": ops.SMALL_M_MAX_M},
+        "rows": {}, "skipped": {},
+    }  # fmt: skip
+    weights = pagedq_weights()
+    nbytes = weight_bytes(weights)
+    results["weight_gb"] = nbytes / 1e9
+    print(
+        f"{props.name}: pagedq weights {nbytes / 1e9:.2f} GB; building the CUDA extension ...",
+        flush=True,
+    )
+    for m in ms:
+        row = results["rows"].setdefault(str(m), {})
+        row["pagedq"] = with_backend(
+            "auto", lambda m=m: measure(pagedq_stack(weights, m), nbytes, args.repeats)
+        )
+        print(
+            f"  M={m}: pagedq {row['pagedq']['graph_ms']:.3f} ms ({row['pagedq']['eager_ms']:.3f})",
+            flush=True,
+        )
+    results["small_m"] = small_m_sweep(weights, nbytes, args.repeats)
+    results["max_rel_error"] = accuracy(weights, ms)
+    print(
+        "  accuracy vs reference: "
+        + ", ".join(f"{k} {v:.1e}" for k, v in results["max_rel_error"].items()),
+        flush=True,
+    )
+    if not args.no_peers:
+        peers(results, ms, args.repeats)
+    write(results, args.out)
+
+
+def peers(results: dict[str, Any], ms: list[int], repeats: int) -> None:
+    def dense(weights: list[torch.Tensor]) -> None:
+        nbytes = sum(w.numel() * 2 for w in weights)
+        for m in ms:
+            results["rows"][str(m)]["dense_fp16"] = measure(
+                dense_stack(weights, m), nbytes, repeats
+            )
+
+    def tinygemm(layers: Any) -> None:
+        nbytes = sum(w.numel() * w.element_size() + sz.numel() * 2 for w, sz, _ in layers)
+        for m in ms:
+            results["rows"][str(m)]["aten_int4"] = measure(
+                tinygemm_stack(layers, m), nbytes, repeats
+            )
+
+    def marlin(layers: Any) -> None:
+        nbytes = sum(lin.qweight.numel() * 4 + lin.scales.numel() * 2 for lin in layers)
+        for m in ms:
+            results["rows"][str(m)]["marlin"] = measure(module_stack(layers, m), nbytes, repeats)
+
+    run_peer("dense_fp16", dense_weights, results, dense)
+    run_peer("aten_int4", tinygemm_layers, results, tinygemm)
+    run_peer("marlin", marlin_layers, results, marlin)
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = results["date"][:10]
+    lines = [
+        f"# W4a GPTQ linears, {results['gpu']}, {results['date']}",
+        "",
+        f"torch {results['torch']}, triton {results['triton']}, CUDA {results['cuda']}; "
+        f"weights {results['weight_gb']:.2f} GB; `{results['command']}`",
+        "",
+        "| M | kernel | graph ms | eager ms | TB/s | % of 4.28 |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for m, row in results["rows"].items():
+        for name, r in row.items():
+            pct = 100 * r["tbs"] / COPY_CEILING_TBS
+            lines.append(
+                f"| {m} | {name} | {r['graph_ms']:.3f} | {r['eager_ms']:.3f} | "
+                f"{r['tbs']:.2f} | {pct:.0f}% |"
+            )
+    lines += ["", "Small-M paths (graph ms): " + "; ".join(
+        f"M={r['m']}: " + ", ".join(f"{k} {v['graph_ms']:.3f}" for k, v in r.items() if k != "m")
+        for r in results["small_m"]
+    )]  # fmt: skip
+    if results["skipped"]:
+        lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped"].items())]
+    (out / f"gptq_w4a_{stamp}.json").write_text(json.dumps(results, indent=2))
+    (out / f"gptq_w4a_{stamp}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[4:]))
+    summary = []
+    for m, row in results["rows"].items():
+        target = TARGETS_MS.get(int(m))
+        ours = row["pagedq"]["graph_ms"]
+        verdict = f" target {target} ms: {'met' if ours <= target else 'MISSED'}" if target else ""
+        if "dense_fp16" in row:
+            verdict += f" ({ours / row['dense_fp16']['graph_ms']:.2f}x dense fp16)"
+        summary.append(f"M={m} {ours:.3f} ms{verdict}")
+    print(f"W4a {results['gpu']}: " + "; ".join(summary))
+
+
+if __name__ == "__main__":
+    main()
