@@ -427,3 +427,30 @@ def test_cli_quantize(tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     args = parser.parse_args(["quantize", str(src), str(tmp_path / "x"), "--group-size", "0"])
     assert args.func(args) == 1
     assert "--group-size 0" in capsys.readouterr().err
+
+
+def test_default_quantized_model_is_built_once(tiny, tmp_path: Path, monkeypatch) -> None:
+    import pagedq.gptq.default as default
+    import pagedq.loader.default_model as loader_default
+
+    src = tiny[0]
+    monkeypatch.setenv("PAGEDQ_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader_default, "default_model_dir", lambda: src)
+    monkeypatch.setattr(
+        default, "DEFAULT_OPTIONS", QuantizeOptions(group_size=32, samples=4, seq_len=32)
+    )
+    first = default.default_quantized_model_dir()
+    assert first.parent == tmp_path / "cache" and load_gptq_config(first) is not None
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temp left over
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("quantized twice")
+
+    monkeypatch.setattr(Q, "quantize_model", fail)
+    assert default.default_quantized_model_dir() == first
+    # A process that loses the race keeps the winner's folder (its own copy is removed after).
+    loser = tmp_path / "cache" / ".loser"
+    loser.mkdir()
+    (loser / "config.json").write_text("{}")
+    default._publish(loser, first)
+    assert load_gptq_config(first) is not None

@@ -106,7 +106,7 @@ def parse_gptq_config(raw: Mapping[str, Any], source: str = "quantization settin
         checkpoint_format=fmt,
         lm_head=_flag(raw, "lm_head", False, source),
         pack_dtype="int32",
-        damp_percent=float(raw.get("damp_percent", 0.01)),
+        damp_percent=_number(raw, "damp_percent", 0.01, source),
         true_sequential=_flag(raw, "true_sequential", True, source),
     )
 
@@ -144,6 +144,15 @@ def _flag(raw: Mapping[str, Any], key: str, default: bool, source: str) -> bool:
     if not isinstance(value, bool):
         raise CheckpointError(f"{source}: {key}={value!r} must be true or false")
     return value
+
+
+def _number(raw: Mapping[str, Any], key: str, default: float, source: str) -> float:
+    value = raw.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"{source}: {key}={value!r} must be a number")
+    return float(value)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,10 +33,12 @@ from pagedq.gptq.rtn import (
     rtn_columns,
     split_gptq,
 )
+from pagedq.layers.linear import DenseLinear
 
 if TYPE_CHECKING:
     from pagedq.config import ModelConfig
-    from pagedq.models.llama import LlamaForCausalLM
+    from pagedq.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+    from pagedq.ops.attention import AttentionMetadata
 
 BLOCK = 128  # columns per lazy-update block
 METHODS = ("gptq", "rtn")
@@ -314,84 +317,122 @@ TOKENS_PER_BATCH = 4096  # calibration tokens run through a layer at once
 
 
 class _StopForward(Exception):
-    """Raised by the last hook of a stage: nothing after its input is needed."""
+    """Raised by a pre-hook once the input of the module it watches is captured."""
 
 
-class _LayerRunner:
-    """Runs one decoder layer over the calibration set, one flat batch of windows at a time."""
+class _Batches:
+    """The calibration windows as flat batches, with the attention set-up of each batch size."""
 
     def __init__(self, config: ModelConfig, tokens: torch.Tensor) -> None:
         from pagedq.models.llama import contiguous_positions, contiguous_prefill
 
-        seq_len = int(tokens.shape[1])
-        rows = max(1, TOKENS_PER_BATCH // seq_len)
+        self.seq_len = int(tokens.shape[1])
+        rows = max(1, TOKENS_PER_BATCH // self.seq_len)
         one_layer = replace(config, num_hidden_layers=1)  # one throwaway KV cache suffices
-        self.batches = list(tokens.split(rows))  # each [b, seq_len]
-        self.setups = {}
-        for b in {int(t.shape[0]) for t in self.batches}:
-            meta, kv = contiguous_prefill([seq_len] * b, one_layer, torch.float32, "cpu")
-            self.setups[b] = (meta, kv[0], contiguous_positions([seq_len] * b, "cpu"))
+        self.tokens = [t.reshape(-1) for t in tokens.split(rows)]  # each [b * seq_len]
+        self.setups: dict[int, tuple[torch.Tensor, KVCache, AttentionMetadata]] = {}
+        for n in {int(t.shape[0]) for t in self.tokens}:
+            lens = [self.seq_len] * (n // self.seq_len)
+            meta, kv = contiguous_prefill(lens, one_layer, torch.float32, "cpu")
+            self.setups[n] = (contiguous_positions(lens, "cpu"), kv[0], meta)
 
-    def run(self, layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [b * seq_len, H] -> layer output [b * seq_len, H]."""
-        meta, kv, positions = self.setups[int(hidden.shape[0]) // self.seq_len]
-        with torch.no_grad():
-            return layer(positions, hidden, kv, meta)
+    def layer(self, layer: LlamaDecoderLayer, hidden: torch.Tensor) -> torch.Tensor:
+        """A whole decoder layer: hidden [T, H] -> [T, H]."""
+        positions, kv, meta = self.setups[int(hidden.shape[0])]
+        return layer(positions, hidden, kv, meta)
 
-    @property
-    def seq_len(self) -> int:
-        return int(self.batches[0].shape[1])
+    def attention_input_of_o(self, attn: LlamaAttention, x: torch.Tensor) -> torch.Tensor:
+        """Attention up to o_proj: normed hidden [T, H] -> o_proj's input [T, heads * D]."""
+        positions, kv, meta = self.setups[int(x.shape[0])]
+        return _input_of(attn.o_proj, lambda: attn(positions, x, kv, meta))
+
+
+def _input_of(module: torch.nn.Module, call: Callable[[], object]) -> torch.Tensor:
+    """Run `call` until `module` is about to run; return the input it would have received."""
+    captured: list[torch.Tensor] = []
+
+    def hook(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        captured.append(args[0])
+        raise _StopForward
+
+    handle = module.register_forward_pre_hook(hook)
+    try:
+        with contextlib.suppress(_StopForward):
+            call()
+    finally:
+        handle.remove()
+    assert len(captured) == 1, "the module must run exactly once per call"
+    return captured[0]
 
 
 def _gptq_model(
     model: LlamaForCausalLM, tokens: torch.Tensor, opts: QuantizeOptions, progress: bool
 ) -> dict[str, GPTQTensors]:
     """Quantize every decoder layer in order, each on the outputs of the quantized ones."""
-    runner = _LayerRunner(model.config, tokens)
-    with torch.no_grad():
-        hidden = [model.embed_tokens(b.reshape(-1)) for b in runner.batches]  # [b*L, H] each
-    stages = [(name,) for name in FUSED] if opts.true_sequential else [tuple(FUSED)]
+    batches = _Batches(model.config, tokens)
+    hidden = [model.embed_tokens(t) for t in batches.tokens]  # [b * seq_len, H] each
     result: dict[str, GPTQTensors] = {}
     layers = list(model.layers)
-    for i, layer in enumerate(tqdm(layers, desc="GPTQ", unit="layer", disable=not progress)):
-        for stage in stages:
-            hessians = _collect_hessians(layer, stage, hidden, runner)
-            for name in stage:
-                module = layer.get_submodule(name)
-                packed, deq = gptq_quantize_weight(module.weight, hessians[name], opts)
-                module.weight.data.copy_(deq)  # later stages and layers see quantized outputs
-                result.update(_split(model.config, i, name, packed))
-        if i + 1 < len(layers):
-            hidden = [runner.run(layer, h) for h in hidden]
+    with torch.no_grad():
+        for i, layer in enumerate(tqdm(layers, desc="GPTQ", unit="layer", disable=not progress)):
+            hidden, packed = _quantize_layer(layer, hidden, batches, opts)
+            for name, tensors in packed.items():
+                result.update(_split(model.config, i, name, tensors))
     return result
 
 
-def _collect_hessians(
-    layer: torch.nn.Module, names: tuple[str, ...], hidden: list[torch.Tensor], runner: _LayerRunner
-) -> dict[str, torch.Tensor]:
-    """H = 2XᵀX/n [K, K] fp32 of the inputs of the modules `names` (listed in execution order)."""
-    sums: dict[str, torch.Tensor] = {}
-    count = {"tokens": 0}
+def _quantize_layer(
+    layer: LlamaDecoderLayer, hidden: list[torch.Tensor], batches: _Batches, opts: QuantizeOptions
+) -> tuple[list[torch.Tensor], dict[str, GPTQTensors]]:
+    """GPTQ one pre-norm Llama block; returns its outputs (from quantized weights) and tensors.
 
-    def hook(name: str) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], None]:
-        def fn(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1]).float()  # [T, K]
-            sums[name] = sums[name] + x.t() @ x if name in sums else x.t() @ x
-            if name == names[-1]:
-                count["tokens"] += int(x.shape[0])
-                raise _StopForward
+    Runs the block once, stage by stage: q/k/v, o, gate/up, down. With `true_sequential`
+    each projection is quantized as soon as its Hessian is known, so the stages after it see
+    its quantized output; otherwise every Hessian comes from the dense block.
+    """
+    attn, mlp = layer.self_attn, layer.mlp
+    packed: dict[str, GPTQTensors] = {}
+    hessians: dict[str, torch.Tensor] = {}
 
-        return fn
+    def stage(name: str, inputs: list[torch.Tensor]) -> None:
+        hessians[name] = _hessian(inputs)
+        if opts.true_sequential:
+            packed[name] = _quantize_module(layer, name, hessians[name], opts)
 
-    handles = [layer.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
-    try:
-        for h in hidden:
-            with contextlib.suppress(_StopForward):
-                runner.run(layer, h)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {n: sums[n] * (2.0 / count["tokens"]) for n in names}
+    x = [layer.input_layernorm(h) for h in hidden]  # [T, H] each
+    stage("self_attn.qkv_proj", x)
+    x = [batches.attention_input_of_o(attn, xi) for xi in x]  # [T, heads * D]
+    stage("self_attn.o_proj", x)
+    mid = [h + attn.o_proj(xi) for h, xi in zip(hidden, x, strict=True)]  # after attention
+    x = [layer.post_attention_layernorm(h) for h in mid]  # [T, H]
+    stage("mlp.gate_up_proj", x)
+    x = [_input_of(mlp.down_proj, partial(mlp, xi)) for xi in x]  # [T, I]
+    stage("mlp.down_proj", x)
+    if opts.true_sequential:
+        return [h + mlp.down_proj(xi) for h, xi in zip(mid, x, strict=True)], packed
+    for name, h in hessians.items():
+        packed[name] = _quantize_module(layer, name, h, opts)
+    return [batches.layer(layer, h) for h in hidden], packed
+
+
+def _hessian(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """H = 2XᵀX/n [K, K] fp32 over all calibration tokens (rows of the [T, K] inputs)."""
+    total = sum(int(x.shape[0]) for x in inputs)
+    acc = torch.zeros(inputs[0].shape[-1], inputs[0].shape[-1])
+    for x in inputs:
+        x = x.float()
+        acc.addmm_(x.t(), x)
+    return acc.mul_(2.0 / total)
+
+
+def _quantize_module(
+    layer: LlamaDecoderLayer, name: str, hessian: torch.Tensor, opts: QuantizeOptions
+) -> GPTQTensors:
+    """GPTQ the fused projection `name`; its weight becomes the dequantized one, in place."""
+    module = _dense(layer, name)
+    packed, deq = gptq_quantize_weight(module.weight, hessian, opts)
+    module.weight.data.copy_(deq)
+    return packed
 
 
 def _rtn_model(
@@ -401,9 +442,16 @@ def _rtn_model(
     layers = list(model.layers)
     for i, layer in enumerate(tqdm(layers, desc="RTN", unit="layer", disable=not progress)):
         for name in FUSED:
-            packed, _ = rtn_quantize_weight(layer.get_submodule(name).weight, opts)
+            packed, _ = rtn_quantize_weight(_dense(layer, name).weight, opts)
             result.update(_split(model.config, i, name, packed))
     return result
+
+
+def _dense(layer: torch.nn.Module, name: str) -> DenseLinear:
+    module = layer.get_submodule(name)
+    if not isinstance(module, DenseLinear):
+        raise UnsupportedModelError(f"{name} is a {type(module).__name__}, not a dense linear")
+    return module
 
 
 def _split(
