@@ -454,3 +454,27 @@ def test_default_quantized_model_is_built_once(tiny, tmp_path: Path, monkeypatch
     (loser / "config.json").write_text("{}")
     default._publish(loser, first)
     assert load_gptq_config(first) is not None
+
+
+def test_staged_block_equals_layer_forward(tiny) -> None:
+    from pagedq.models.llama import load_llama
+
+    src, calib, _ = tiny
+    model = load_llama(src, torch.float32)
+    batches = Q._Batches(model.config, calib)
+    seen: list[tuple[str, int]] = []
+    with torch.no_grad():
+        hidden = [model.embed_tokens(t) for t in batches.tokens]
+        block = model.layers[0]
+        staged = Q.run_staged(block, hidden, batches, lambda n, x: seen.append((n, x[0].shape[1])))
+        for h, out in zip(hidden, staged, strict=True):
+            positions, kv, meta = batches.setups[int(h.shape[0])]
+            torch.testing.assert_close(out, block(positions, h, kv, meta), rtol=0, atol=1e-6)
+    config = model.config
+    attn_width = config.num_attention_heads * config.head_dim
+    assert seen == [
+        ("self_attn.qkv_proj", config.hidden_size),
+        ("self_attn.o_proj", attn_width),
+        ("mlp.gate_up_proj", config.hidden_size),
+        ("mlp.down_proj", config.intermediate_size),
+    ]

@@ -336,11 +336,6 @@ class _Batches:
             meta, kv = contiguous_prefill(lens, one_layer, torch.float32, "cpu")
             self.setups[n] = (contiguous_positions(lens, "cpu"), kv[0], meta)
 
-    def layer(self, layer: LlamaDecoderLayer, hidden: torch.Tensor) -> torch.Tensor:
-        """A whole decoder layer: hidden [T, H] -> [T, H]."""
-        positions, kv, meta = self.setups[int(hidden.shape[0])]
-        return layer(positions, hidden, kv, meta)
-
     def attention_input_of_o(self, attn: LlamaAttention, x: torch.Tensor) -> torch.Tensor:
         """Attention up to o_proj: normed hidden [T, H] -> o_proj's input [T, heads * D]."""
         positions, kv, meta = self.setups[int(x.shape[0])]
@@ -384,22 +379,39 @@ def _gptq_model(
 def _quantize_layer(
     layer: LlamaDecoderLayer, hidden: list[torch.Tensor], batches: _Batches, opts: QuantizeOptions
 ) -> tuple[list[torch.Tensor], dict[str, GPTQTensors]]:
-    """GPTQ one pre-norm Llama block; returns its outputs (from quantized weights) and tensors.
+    """GPTQ one decoder layer; returns its outputs (from the quantized weights) and tensors.
 
-    Runs the block once, stage by stage: q/k/v, o, gate/up, down. With `true_sequential`
-    each projection is quantized as soon as its Hessian is known, so the stages after it see
-    its quantized output; otherwise every Hessian comes from the dense block.
+    With `true_sequential` each projection is quantized as soon as its inputs are known, so
+    the stages after it see its quantized output (one pass); otherwise every Hessian comes
+    from the dense layer and a second pass computes the outputs.
+    """
+    packed: dict[str, GPTQTensors] = {}
+
+    def quantize(name: str, inputs: list[torch.Tensor]) -> None:
+        packed[name] = _quantize_module(layer, name, _hessian(inputs), opts)
+
+    if opts.true_sequential:
+        return run_staged(layer, hidden, batches, quantize), packed
+    hessians: dict[str, torch.Tensor] = {}
+    run_staged(layer, hidden, batches, lambda name, x: hessians.__setitem__(name, _hessian(x)))
+    for name, h in hessians.items():
+        packed[name] = _quantize_module(layer, name, h, opts)
+    return run_staged(layer, hidden, batches, lambda name, x: None), packed
+
+
+def run_staged(
+    layer: LlamaDecoderLayer,
+    hidden: list[torch.Tensor],  # [T, H] per batch
+    batches: _Batches,
+    stage: Callable[[str, list[torch.Tensor]], None],
+) -> list[torch.Tensor]:
+    """The pre-norm Llama block, one projection at a time over all batches: [T, H] each.
+
+    `stage(name, inputs)` sees the inputs of each fused projection (q/k/v, o, gate/up, down)
+    before the projection runs, so it may replace the projection's weight.
     """
     attn, mlp = layer.self_attn, layer.mlp
-    packed: dict[str, GPTQTensors] = {}
-    hessians: dict[str, torch.Tensor] = {}
-
-    def stage(name: str, inputs: list[torch.Tensor]) -> None:
-        hessians[name] = _hessian(inputs)
-        if opts.true_sequential:
-            packed[name] = _quantize_module(layer, name, hessians[name], opts)
-
-    x = [layer.input_layernorm(h) for h in hidden]  # [T, H] each
+    x = [layer.input_layernorm(h) for h in hidden]  # [T, H]
     stage("self_attn.qkv_proj", x)
     x = [batches.attention_input_of_o(attn, xi) for xi in x]  # [T, heads * D]
     stage("self_attn.o_proj", x)
@@ -408,11 +420,7 @@ def _quantize_layer(
     stage("mlp.gate_up_proj", x)
     x = [_input_of(mlp.down_proj, partial(mlp, xi)) for xi in x]  # [T, I]
     stage("mlp.down_proj", x)
-    if opts.true_sequential:
-        return [h + mlp.down_proj(xi) for h, xi in zip(mid, x, strict=True)], packed
-    for name, h in hessians.items():
-        packed[name] = _quantize_module(layer, name, h, opts)
-    return [batches.layer(layer, h) for h in hidden], packed
+    return [h + mlp.down_proj(xi) for h, xi in zip(mid, x, strict=True)]
 
 
 def _hessian(inputs: list[torch.Tensor]) -> torch.Tensor:
