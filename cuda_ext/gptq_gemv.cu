@@ -72,8 +72,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   check_same_device(locks, x, "locks");
   TORCH_CHECK(locks.scalar_type() == at::kInt && locks.is_contiguous(),
               "gptq_gemv: locks must be contiguous int32");
-  TORCH_CHECK(group_size >= 1 && (scales.size(0) == 1 || group_size % 16 == 0),
-              "gptq_gemv: group_size = ", group_size, " must be a multiple of 16");
+  TORCH_CHECK(group_size >= 1 && (scales.size(0) == 1 || group_size % 32 == 0),
+              "gptq_gemv: group_size = ", group_size, " must be a multiple of 32");
   TORCH_CHECK(split_k >= 1, "gptq_gemv: split_k = ", split_k, " must be >= 1");
 }
 

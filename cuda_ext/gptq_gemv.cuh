@@ -4,9 +4,10 @@
 //
 // Layout (pagedq/ops/gptq.py, PackedGPTQWeight): qweight [Kp/8, N] int32, Kp = 128 * ceil(K/128),
 // input rows sorted by group. Block b = word rows 16b..16b+15 holds input rows 128b..128b+127;
-// nibble j (bits 4j..4j+3) of word row 16b + r is input row 128b + 16j + r. scales / zeros are
-// [G, N] in T; zeros hold z' as exact integers (nullptr: every z' is 8); group g covers sorted
-// rows g * group_size .. (g + 1) * group_size - 1.
+// nibble p + 4h (bits 4p + 16h ..) of word row 16b + r is input row 128b + 32p + 2r + h.
+// scales / zeros are [G, N] in T; zeros hold z' as exact integers (nullptr: every z' is 8);
+// group g covers sorted rows g * group_size .. (g + 1) * group_size - 1, group_size % 32 == 0
+// (so both rows of a pair, and a whole 32-row quarter p, share one group).
 //
 // Work split: a CTA owns kTileN = 32 output columns and the 128-row blocks of one K split.
 // Thread (tk, tn) = (threadIdx.x / 8, threadIdx.x % 8): tn picks 4 adjacent columns, read with
@@ -16,8 +17,8 @@
 // word multiplies are a single 16-byte read in the order the dequantization produces them.
 //
 // Dequantization in registers: ((word >> 4p) & 0x000F000F) | MAGIC read as a T pair is
-// (MAGIC + q_p, MAGIC + q_{p+4}) exactly; subtracting (MAGIC + z') is exact and the scale
-// multiply rounds once. The 8 products of a word are summed in the pair type (4 per lane), and
+// (MAGIC + q, MAGIC + q') of rows (32p + 2r, 32p + 2r + 1) exactly; subtracting (MAGIC + z') is
+// exact and the scale multiply rounds once. The 8 products of a word are summed in the pair type (4 per lane), and
 // every word's sum accumulates in fp32.
 //
 // Split-K: each CTA writes its fp32 partial tile to workspace[split]; the last CTA of a column
@@ -93,14 +94,13 @@ struct GemvParams {
   int blocks_per_split, split;
 };
 
-// Slot of nibble j's activation among the 8 staged values of a word row: pairs (j, j+4) adjacent.
-__host__ __device__ constexpr int pair_slot(int j) { return 2 * (j & 3) + (j >> 2); }
-
-// Staged position of activation kl (counted from the split's first input row).
+// Staged position of activation kl (counted from the split's first input row): the 8 values a
+// word row multiplies are adjacent, pair p = rows (32p + 2r, 32p + 2r + 1) at slots 2p, 2p + 1.
 __host__ __device__ inline int staged_index(int kl) {
   const int block = kl / kBlockK;
-  const int in_block = kl % kBlockK;  // = 16 j + r
-  return block * kBlockK + (in_block % kWordRows) * 8 + pair_slot(in_block / kWordRows);
+  const int in_block = kl % kBlockK;  // = 32 p + 2 r + h
+  const int p = in_block / 32, r = (in_block % 32) / 2, h = in_block % 2;
+  return block * kBlockK + r * 8 + 2 * p + h;
 }
 
 template <typename T2>
@@ -177,41 +177,41 @@ __device__ inline void prefetch_block(const int32_t* qweight, int b, int n, int 
   }
 }
 
-// Scale and MAGIC + z' of nibble pairs p = (j, j+4) of block b, for columns n0..n0+3.
+// Scale and MAGIC + z' of the 4 row quarters p of block b (rows 128b + 32p ..), columns n0..n0+3.
 template <typename T>
 __host__ __device__ inline void load_group_params(const GemvParams<T>& p, int b, int n0,
                                                   typename Pair<T>::T2 (&scale)[kCols][4],
                                                   typename Pair<T>::T2 (&zero)[kCols][4]) {
   const bool one_per_block = p.num_groups == 1 || p.group_size % kBlockK == 0;
-  float s[8][kCols];
-  float z[8][kCols];
+  float s[4][kCols];
+  float z[4][kCols];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if (j > 0 && one_per_block) {
+  for (int q = 0; q < 4; ++q) {
+    if (q > 0 && one_per_block) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        s[j][c] = s[0][c];
-        z[j][c] = z[0][c];
+        s[q][c] = s[0][c];
+        z[q][c] = z[0][c];
       }
       continue;
     }
-    int g = (b * kBlockK + j * kWordRows) / p.group_size;
+    int g = (b * kBlockK + q * 32) / p.group_size;
     g = g < p.num_groups - 1 ? g : p.num_groups - 1;  // rows past K clamp (their x is 0)
     const int64_t offset = static_cast<int64_t>(g) * p.N + n0;
-    load_cols<T>(p.scales + offset, s[j]);
+    load_cols<T>(p.scales + offset, s[q]);
     if (p.zeros != nullptr) {
-      load_cols<T>(p.zeros + offset, z[j]);
+      load_cols<T>(p.zeros + offset, z[q]);
     } else {
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) z[j][c] = 8.0f;
+      for (int c = 0; c < kCols; ++c) z[q][c] = 8.0f;
     }
   }
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      scale[c][q] = Pair<T>::make(s[q][c], s[q + 4][c]);
-      zero[c][q] = Pair<T>::make(Pair<T>::kMagic + z[q][c], Pair<T>::kMagic + z[q + 4][c]);
+      scale[c][q] = Pair<T>::make(s[q][c], s[q][c]);
+      zero[c][q] = Pair<T>::make(Pair<T>::kMagic + z[q][c], Pair<T>::kMagic + z[q][c]);
     }
   }
 }

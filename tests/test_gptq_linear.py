@@ -176,15 +176,18 @@ def test_act_order_sorts_rows_once_and_keeps_the_permutation() -> None:
     assert GPTQLinear([plain.tensors], plain.config, torch.float32).segment(0)[0].perm is None
 
 
-def test_block_layout_puts_row_16j_plus_r_in_nibble_j_of_word_r() -> None:
+def test_block_layout_puts_row_32p_2r_h_in_nibble_p_4h_of_word_r() -> None:
     q = torch.randint(0, 16, (200, 8))
     packed = pack_blocks(q)
     assert packed.shape == (256 // 8, 8)  # K padded to a multiple of 128
     words = packed.numpy().view(np.uint32).astype(np.int64)
-    for row in (0, 15, 16, 127, 128, 143, 199):
+    for row in range(200):
         block, within = divmod(row, 128)
-        j, r = divmod(within, 16)
-        assert ((words[16 * block + r] >> (4 * j)) & 0xF).tolist() == q[row].tolist()
+        p, rest = divmod(within, 32)
+        r, h = divmod(rest, 2)
+        nibble = (words[16 * block + r] >> (4 * p + 16 * h)) & 0xF
+        assert nibble.tolist() == q[row].tolist(), row
+    assert not unpack_blocks(packed, 256)[200:].any()  # padded rows hold 0
     assert torch.equal(unpack_blocks(packed, 200), q.int())
 
 

@@ -6,22 +6,26 @@ weights dequantized in registers, fp32 accumulation, and optional split-K over t
 Packed weight layout (built once at load, see `pagedq.ops.gptq.PackedGPTQWeight`):
 
 - `qweight` [Kp/8, N] int32, Kp = 128 * ceil(K / 128), input rows already sorted by group.
-  Rows come in blocks of 128: block b owns word rows 16b .. 16b+15, and nibble j (bits 4j..4j+3)
-  of word row 16b + r holds input row 128b + 16j + r. A [16, BLOCK_N] tile of words shifted by
-  4j therefore gives 16 consecutive input rows, and stacking the 8 shifts on a new leading axis
-  ([8, 16, BLOCK_N]) then reshaping gives the [128, BLOCK_N] tile in input-row order, so the
-  activations are one contiguous [BLOCK_M, 128] load. Loads along N are contiguous (16 bytes
-  for 4 adjacent columns), padded rows hold 0 and meet masked (zero) activations.
+  Rows come in blocks of 128: block b owns word rows 16b .. 16b+15, and nibble p + 4h
+  (p = 0..3, h = 0..1; bits 4p + 16h ..) of word row 16b + r holds input row
+  128b + 32p + 2r + h. So `(word >> 4p) & 0x000F000F` holds rows (32p + 2r, 32p + 2r + 1) in
+  its two 16-bit halves: the (k, k+1) pair that a tensor-core B fragment keeps in one register,
+  and `| 0x6400_6400` turns it into two fp16 values without a single per-nibble operation. The
+  [16, BLOCK_N] word tile becomes [4, 16, 2, BLOCK_N] (p, r, h, n) and reshapes to the
+  [128, BLOCK_N] tile in input-row order, so the activations are one contiguous
+  [BLOCK_M, 128] load. Loads along N are contiguous (16 bytes for 4 adjacent columns); padded
+  rows hold 0 and meet masked (zero) activations.
 - `scales` / `zeros` [G, N] in the activation dtype: group g covers sorted rows
   g*GROUP .. (g+1)*GROUP-1; zeros hold z' (already +1 for v1 checkpoints) as exact small
   integers, or are absent when every z' is 8 (HAS_ZEROS=False).
 
-Dequantization avoids int->float conversions: `q | 0x6400` read as fp16 is 1024 + q exactly
-(`0x4300` in bf16 is 128 + q, `0x4B000000` in fp32 is 2**23 + q), and subtracting (MAGIC + z')
-in the same dtype is exact, so one rounding (the multiply by the scale) remains.
-
-SCALE_MODE says how often scales change inside a 128-row block: 0 once (GROUP % 128 == 0 or a
-single group), 1 per 16-row slice (GROUP % 16 == 0), 2 per row (any other group size).
+Dequantization avoids int->float conversions: a nibble OR 0x6400 read as fp16 is 1024 + q
+exactly (0x4300 in bf16 is 128 + q, 0x4B000000 in fp32 is 2**23 + q), and subtracting
+(MAGIC + z') in the same dtype is exact. SCALE_MODE says how often scales change inside a
+128-row block: 0 never (GROUP % 128 == 0 or a single group), 1 per 32-row quarter p
+(GROUP % 32 == 0), 2 per row (any other group size). In mode 0 with BLOCK_M <= 32 the dot runs
+on the exact integers (q - z') and its fp32 result is scaled once per block (no rounding);
+otherwise the weights are multiplied by their scale before the dot (one rounding).
 
 Split-K epilogue: with SPLIT_K > 1 every program writes its fp32 partial tile to a workspace
 [SPLIT_K, M, N], then increments the tile's arrival counter in `locks`; the last program to
@@ -48,55 +52,79 @@ def load_group_params(
     SCALE_MODE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
 ):
-    """Scale and zero point of every row of 128-row `block`, broadcastable to [8, 16, BLOCK_N]."""
+    """Scale and zero point of every row of 128-row `block`, broadcastable to [4, 16, 2, BLOCK_N]
+    (the (p, r, h, n) order of `dequant_block`: row 32p + 2r + h)."""
     if SCALE_MODE == 0:
-        # --- one group for the whole block: one [BLOCK_N] row of scales
+        # --- one group for the whole block: one [BLOCK_N] row
         offs = (block * 128) // GROUP * stride_sg + offs_n
-        s = tl.load(scales_ptr + offs, mask=n_mask, other=0.0)[None, None, :]
+        s = tl.load(scales_ptr + offs, mask=n_mask, other=0.0)[None, None, None, :]
         if HAS_ZEROS:
-            z = tl.load(zeros_ptr + offs, mask=n_mask, other=0.0)[None, None, :]
+            z = tl.load(zeros_ptr + offs, mask=n_mask, other=0.0)[None, None, None, :]
         else:
-            z = tl.full((1, 1, 1), 8.0, dtype=s.dtype)
+            z = tl.full((1, 1, 1, 1), 8.0, dtype=s.dtype)
     elif SCALE_MODE == 1:
-        # --- one group per 16-row slice j (rows 128b + 16j ..): [8, BLOCK_N]
-        rows = block * 128 + tl.arange(0, 8) * 16
+        # --- one group per 32-row quarter p (rows 128b + 32p ..): [4, BLOCK_N]
+        rows = block * 128 + tl.arange(0, 4) * 32
         g = tl.minimum(rows // GROUP, NUM_GROUPS - 1)  # padded rows clamp to the last group
         offs = g[:, None] * stride_sg + offs_n[None, :]
-        s = tl.load(scales_ptr + offs, mask=n_mask[None, :], other=0.0)[:, None, :]
+        s = tl.load(scales_ptr + offs, mask=n_mask[None, :], other=0.0)[:, None, None, :]
         if HAS_ZEROS:
-            z = tl.load(zeros_ptr + offs, mask=n_mask[None, :], other=0.0)[:, None, :]
+            z = tl.load(zeros_ptr + offs, mask=n_mask[None, :], other=0.0)[:, None, None, :]
         else:
-            z = tl.full((1, 1, 1), 8.0, dtype=s.dtype)
+            z = tl.full((1, 1, 1, 1), 8.0, dtype=s.dtype)
     else:
-        # --- any group size: one lookup per row, [8, 16, BLOCK_N]
-        rows = block * 128 + (tl.arange(0, 8) * 16)[:, None] + tl.arange(0, 16)[None, :]
+        # --- any group size: one lookup per row, [128, BLOCK_N] -> [4, 16, 2, BLOCK_N]
+        rows = block * 128 + tl.arange(0, 128)
         g = tl.minimum(rows // GROUP, NUM_GROUPS - 1)
-        offs = g[:, :, None] * stride_sg + offs_n[None, None, :]
-        s = tl.load(scales_ptr + offs, mask=n_mask[None, None, :], other=0.0)
+        offs = g[:, None] * stride_sg + offs_n[None, :]
+        s = tl.load(scales_ptr + offs, mask=n_mask[None, :], other=0.0)
+        s = tl.reshape(s, (4, 16, 2, offs_n.shape[0]))
         if HAS_ZEROS:
-            z = tl.load(zeros_ptr + offs, mask=n_mask[None, None, :], other=0.0)
+            z = tl.load(zeros_ptr + offs, mask=n_mask[None, :], other=0.0)
+            z = tl.reshape(z, (4, 16, 2, offs_n.shape[0]))
         else:
-            z = tl.full((1, 1, 1), 8.0, dtype=s.dtype)
+            z = tl.full((1, 1, 1, 1), 8.0, dtype=s.dtype)
     return s, z
 
 
 @triton.jit
-def dequant_block(words, s, z):
-    """words [16, BLOCK_N] int32 -> weights [128, BLOCK_N] in the dtype of `s` (rows in order)."""
-    # --- unpack: [8, 16, BLOCK_N], element (j, r, n) is input row 16j + r of the block
-    q = (words[None, :, :] >> (tl.arange(0, 8) * 4)[:, None, None]) & 0xF
-    # --- exact small floats through the exponent trick (no int->float conversion)
+def _unpack_pairs(words, dtype: tl.constexpr):
+    """words [16, BLOCK_N] int32 -> (lo, hi) [4, 16, BLOCK_N] in dtype: MAGIC + q of rows
+    32p + 2r (lo) and 32p + 2r + 1 (hi), exactly."""
+    shifts = (tl.arange(0, 4) * 4)[:, None, None]
+    if dtype == tl.float16:
+        pairs = ((words[None, :, :] >> shifts) & 0x000F000F) | 0x64006400  # fp16 (1024 + q) x 2
+        lo = pairs.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    elif dtype == tl.bfloat16:
+        pairs = ((words[None, :, :] >> shifts) & 0x000F000F) | 0x43004300  # bf16 (128 + q) x 2
+        lo = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        lo = (((words[None, :, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+        hi = (((words[None, :, :] >> (shifts + 16)) & 0xF) | 0x4B000000).to(
+            tl.float32, bitcast=True
+        )
+    return lo, hi
+
+
+@triton.jit
+def dequant_block(words, s, z, APPLY_SCALE: tl.constexpr):
+    """words [16, BLOCK_N] int32 -> [128, BLOCK_N] in the dtype of `s`, rows in order:
+    (q - z') * s with APPLY_SCALE, else the exact integers q - z'."""
+    # --- unpack: (p, r, n) pairs -> [4, 16, 2, BLOCK_N], element (p, r, h, n) = row 32p + 2r + h
+    lo, hi = _unpack_pairs(words, s.dtype)
+    q = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))
+    # --- subtract MAGIC + z' (exact), then scale (the only rounding)
     if s.dtype == tl.float16:
-        qf = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q
         zf = (z.to(tl.float32) + 1024.0).to(tl.float16)
     elif s.dtype == tl.bfloat16:
-        qf = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q
         zf = (z.to(tl.float32) + 128.0).to(tl.bfloat16)
     else:
-        qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + q
         zf = z.to(tl.float32) + 8388608.0
-    # --- (q - z') is exact; the scale multiply is the only rounding
-    w = (qf - zf) * s
+    w = q - zf
+    if APPLY_SCALE:
+        w = w * s
     return tl.reshape(w, (128, words.shape[1]))
 
 
@@ -127,20 +155,16 @@ def accumulate_blocks(
     SCALE_MODE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
 ):
-    """fp32 [BLOCK_M, BLOCK_N] partial product over the 128-row blocks [block_start, block_end).
-
-    BLOCK_M == 1 runs as a GEMV on the FMA units (a [128, BLOCK_N] fp32 accumulator reduced once
-    at the end); larger BLOCK_M feed tl.dot.
-    """
+    """fp32 [BLOCK_M, BLOCK_N] partial product over the 128-row blocks [block_start, block_end)."""
     n_mask = offs_n < N
     m_mask = offs_m < M
     offs_r = tl.arange(0, 16)
     offs_kb = tl.arange(0, 128)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-    if BLOCK_M == 1:
-        acc = tl.zeros((128, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # one group per block and a small tile: scaling [BLOCK_M, BLOCK_N] sums beats scaling
+    # [128, BLOCK_N] weights (and is exact); large tiles scale the weights instead
+    POST_SCALE: tl.constexpr = SCALE_MODE == 0 and BLOCK_M <= 32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for block in range(block_start, block_end):
         # --- weights: one [16, BLOCK_N] tile of packed words -> [128, BLOCK_N]
         w_offs = (block * 16 + offs_r)[:, None] * stride_qk + offs_n[None, :]
@@ -149,21 +173,26 @@ def accumulate_blocks(
             scales_ptr, zeros_ptr, block, offs_n, n_mask, GROUP, NUM_GROUPS, stride_sg,
             SCALE_MODE, HAS_ZEROS,
         )  # fmt: skip
-        w = dequant_block(words, s, z)
+        w = dequant_block(words, s, z, not POST_SCALE)
         # --- activations: contiguous [BLOCK_M, 128], zero past K (covers padded rows)
         k = block * 128 + offs_kb
         x_mask = m_mask[:, None] & (k < K)[None, :]
         xv = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
-        if BLOCK_M == 1:
-            acc += w.to(tl.float32) * tl.reshape(xv, (128,)).to(tl.float32)[:, None]
-        elif xv.dtype == tl.float32:
-            acc = tl.dot(xv, w, acc, input_precision="ieee")
+        # --- tensor cores; with POST_SCALE the exact integer product is scaled once per block
+        if POST_SCALE:
+            part = _dot(xv, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+            acc += part * tl.reshape(s, (1, BLOCK_N)).to(tl.float32)
         else:
-            acc = tl.dot(xv, w, acc)
-    if BLOCK_M == 1:
-        return tl.sum(acc, axis=0)[None, :]
+            acc = _dot(xv, w, acc)
+    return acc
+
+
+@triton.jit
+def _dot(a, b, acc):
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
     else:
-        return acc
+        return tl.dot(a, b, acc)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ BLOCK_K = 128  # input rows per packed block (the layout's interleave period)
 class KernelConfig:
     """One Triton launch configuration."""
 
-    block_m: int  # rows of x per program (1: FMA GEMV without tl.dot)
+    block_m: int  # rows of x per program (>= 16: tl.dot's minimum)
     block_n: int  # output columns per program
     num_warps: int
     num_stages: int
@@ -25,7 +25,6 @@ class KernelConfig:
 
 # (largest M, config) in increasing M; the last entry has no bound.
 SMALL_M_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
-    (1, KernelConfig(block_m=1, block_n=64, num_warps=4, num_stages=3)),
     (16, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)),
 )
 LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (

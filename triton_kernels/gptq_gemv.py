@@ -3,8 +3,9 @@
 Algorithm: program (pid_n, pid_k) owns output columns [pid_n * BLOCK_N, +BLOCK_N) and the
 128-row input blocks [pid_k * BLOCKS_PER_SPLIT, +BLOCKS_PER_SPLIT). It streams the packed
 weights of that slab once (16-byte loads along N), dequantizes them in registers
-(`gptq_common.dequant_block`) and accumulates in fp32: on the FMA units when BLOCK_M == 1, with
-tl.dot on a 16-row activation tile otherwise. Narrow layers split K so that the grid fills the
+(`gptq_common.dequant_block`) and feeds tl.dot with a 16-row activation tile (rows past M are
+masked to zero: tensor cores have cycles to spare at small M, the dequantization does not),
+accumulating in fp32. Narrow layers split K so that the grid fills the
 GPU; the last program of each column tile reduces the partials (`gptq_common.store_output`).
 
 Layouts (see `gptq_common` and `pagedq.ops.gptq.PackedGPTQWeight`):

@@ -8,7 +8,7 @@ test oracle. `gptq_matmul` dispatches by `PAGEDQ_GPTQ_BACKEND`, read on every ca
 - `auto` on CUDA tensors, by M = rows of x: the CUDA extension's GEMV for M <= CUDA_EXT_MAX_M
   (when it built), the Triton split-K GEMV for M <= SMALL_M_MAX_M, the Triton GEMM above;
 - `cuda`: the CUDA GEMV whenever it applies (M <= SMALL_M_MAX_M, fp16/bf16, group size a
-  multiple of 16), Triton otherwise or when the extension cannot be built (one notice);
+  multiple of 32), Triton otherwise or when the extension cannot be built (one notice);
 - `triton`: the Triton kernels by M; on CPU tensors they run in the Triton interpreter.
 
 Per call nothing synchronises the host (Python ints, `torch.empty`, launches), so every GPU
@@ -54,8 +54,9 @@ class PackedGPTQWeight:
     - input rows are in group order: kernels multiply x[:, perm] (perm None: identity), and
       sorted row k belongs to group k // group_size (group_size = K: one group);
     - qweight is [Kp/8, N] int32 with Kp = 128 * ceil(K / 128): block b (word rows 16b..16b+15)
-      holds sorted rows 128b..128b+127, nibble j (bits 4j..4j+3) of word row 16b + r holds row
-      128b + 16j + r; rows K..Kp-1 hold 0;
+      holds sorted rows 128b..128b+127; nibble p + 4h (p = 0..3, h = 0..1, bits 4p + 16h ..)
+      of word row 16b + r holds row 128b + 32p + 2r + h, so one shift-and-mask yields the
+      (k, k+1) pair a tensor-core fragment keeps in one register; rows K..Kp-1 hold 0;
     - scales [G, N] with G = ceil(K / group_size), in the activation dtype; zeros [G, N] in the
       same dtype holds the zero point z' (v1's +1 already applied) as exact integers 0..16, or
       is None when every z' is 8; W^T[k, n] = (q[k, n] - z'[g, n]) * scales[g, n];
@@ -82,15 +83,21 @@ class PackedGPTQWeight:
         return int(self.scales.shape[0])
 
 
+def _nibble_shifts(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 4, 1, 2, 1]: bit offset 4p + 16h of row 32p + 2r + h within its word."""
+    p = torch.arange(4, device=device, dtype=dtype).view(1, 4, 1, 1, 1)
+    h = torch.arange(2, device=device, dtype=dtype).view(1, 1, 1, 2, 1)
+    return 4 * p + 16 * h
+
+
 def pack_blocks(q: torch.Tensor) -> torch.Tensor:
     """q [K, N] of values 0..15 (rows in group order) -> qweight [Kp/8, N] int32, block layout."""
     k, n = q.shape
     kp = -(-k // BLOCK_K) * BLOCK_K
     padded = torch.zeros((kp, n), dtype=torch.int64, device=q.device)
     padded[:k] = q
-    blocks = padded.view(kp // BLOCK_K, 8, 16, n)  # [block, nibble j, word row r, n]
-    shifts = (torch.arange(8, device=q.device, dtype=torch.int64) * 4).view(1, 8, 1, 1)
-    words = (blocks << shifts).sum(dim=1)  # [block, r, n], unsigned 32-bit values
+    blocks = padded.view(kp // BLOCK_K, 4, 16, 2, n)  # [block, p, word row r, h, n]
+    words = (blocks << _nibble_shifts(q.device, torch.int64)).sum(dim=(1, 3))  # [block, r, n]
     words = torch.where(words >= 2**31, words - 2**32, words)
     return words.reshape(kp // 8, n).to(torch.int32).contiguous()
 
@@ -98,9 +105,9 @@ def pack_blocks(q: torch.Tensor) -> torch.Tensor:
 def unpack_blocks(qweight: torch.Tensor, k: int) -> torch.Tensor:
     """Inverse of `pack_blocks`: qweight [Kp/8, N] int32 -> q [K, N] int32 of values 0..15."""
     kw, n = qweight.shape
-    words = qweight.view(kw // 16, 1, 16, n)
-    shifts = (torch.arange(8, device=qweight.device, dtype=torch.int32) * 4).view(1, 8, 1, 1)
-    return ((words >> shifts) & 0xF).reshape(kw * 8, n)[:k]
+    words = qweight.view(kw // 16, 1, 16, 1, n)
+    q = (words >> _nibble_shifts(qweight.device, torch.int32)) & 0xF  # [block, p, r, h, n]
+    return q.reshape(kw * 8, n)[:k]
 
 
 def make_packed_weight(
@@ -216,10 +223,10 @@ def _check_inputs(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | Non
 
 
 def _scale_mode(w: PackedGPTQWeight) -> int:
-    """How often scales change in a 128-row block: 0 never, 1 per 16-row slice, 2 per row."""
+    """How often scales change in a 128-row block: 0 never, 1 per 32-row quarter, 2 per row."""
     if w.num_groups == 1 or w.group_size % BLOCK_K == 0:
         return 0
-    return 1 if w.group_size % 16 == 0 else 2
+    return 1 if w.group_size % 32 == 0 else 2
 
 
 def _launch_triton(
@@ -280,7 +287,7 @@ def _cuda_ext_applies(x: torch.Tensor, w: PackedGPTQWeight) -> bool:
         return False
     if x.numel() // w.in_features > SMALL_M_MAX_M:
         return False
-    if w.num_groups > 1 and w.group_size % 16 != 0:
+    if w.num_groups > 1 and w.group_size % 32 != 0:
         return False
     from cuda_ext.build import gptq_ext_available
 
