@@ -9,7 +9,8 @@ block another sequence still reads, and any missed copy-on-write shows up as a w
 
 from __future__ import annotations
 
-import copy
+import dataclasses
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -65,11 +66,11 @@ def admit(bm: BlockManager, seq: Sequence) -> list[int]:
 def state_of(bm: BlockManager, *seqs: Sequence) -> Any:
     """Everything `allocate` may change, for "a failed allocate changes nothing"."""
     return (
-        copy.deepcopy(bm.blocks),
+        [(b.ref_count, b.block_hash, b.token_ids, b.parent, b.version) for b in bm.blocks],
         list(bm._free_plain),
         list(bm._free_cached),
         dict(bm._cached),
-        copy.deepcopy(bm.stats),
+        dataclasses.astuple(bm.stats),
         list(bm.pending_copies),
         [(list(s.block_table), s.num_computed_tokens, s.num_hashed_blocks) for s in seqs],
     )
@@ -218,6 +219,21 @@ def test_a_hit_refreshes_a_cached_block_in_the_lru_order() -> None:
     assert bm.match_prefix(make_seq(5, [4, 5, 6])) == []
 
 
+def test_a_reused_block_is_a_valid_parent_at_its_new_version() -> None:
+    bm = BlockManager(2, 2, True)
+    a = make_seq(0, [1, 2, 3, 4])
+    compute_all(bm, a)
+    bm.free(a)  # cached [1, 0]
+    b = make_seq(1, [5, 6, 7])
+    compute_all(bm, b)  # evicts 1, then 0: both at version 1
+    assert b.block_table == [1, 0] and [x.version for x in bm.blocks] == [1, 1]
+    b.token_ids.append(8)
+    compute_all(bm, b)
+    assert bm.blocks[0].parent == (1, 1)
+    assert bm.match_prefix(make_seq(2, [5, 6, 7, 8, 9])) == [1, 0]
+    assert bm.match_prefix(make_seq(3, [1, 2, 3, 4, 5])) == []
+
+
 def test_fork_shares_every_block_and_copies_the_partial_one_on_write() -> None:
     bm = BlockManager(8, 4, True)
     a = make_seq(0, range(6))  # [0 1 2 3] [4 5 . .]
@@ -249,6 +265,16 @@ def test_fork_copies_when_the_child_writes_first() -> None:
     assert bm.allocate(b, 1)
     assert b.block_table == [0, 2] and a.block_table == [0, 1]
     assert bm.take_copies() == [(1, 2)]
+
+
+def test_fork_shares_only_the_computed_blocks_not_reserved_ones() -> None:
+    bm = BlockManager(8, 4, False)
+    a = make_seq(0, range(5))
+    assert bm.allocate(a, 12)  # a static slot: 3 blocks reserved for 12 tokens
+    a.num_computed_tokens = 5
+    b = make_seq(1, range(5))
+    bm.fork(a, b)
+    assert b.block_table == [0, 1] and ref_counts(bm)[:3] == [2, 2, 1]
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -325,8 +351,10 @@ def test_free_resets_the_sequence_and_keeps_its_hashes() -> None:
     a = make_seq(0, [1, 2, 3, 4, 5])
     compute_all(bm, a)
     hashes = list(a.block_hashes)
+    a.hash_chain_broken = True
     bm.free(a)
     assert a.block_table == [] and a.num_computed_tokens == 0 and a.num_hashed_blocks == 0
+    assert not a.hash_chain_broken  # its next admission may register blocks again
     assert a.block_hashes == hashes
     assert admit(bm, a) == [0, 1]  # a preempted sequence re-prefills from its own blocks
 
@@ -340,6 +368,21 @@ def test_a_forced_collision_never_hands_out_other_tokens(monkeypatch: pytest.Mon
     assert a.hash_chain_broken  # block 1 has the same hash as block 0: not registered
     assert bm.match_prefix(make_seq(1, [9, 9, 3, 4, 5])) == []
     assert bm.match_prefix(make_seq(2, [1, 2, 3, 4, 5])) == [0]
+
+
+def test_a_colliding_block_after_another_parent_is_not_a_hit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A block's hash ignores its parent here: only the stored parent tells [A B] from [C B].
+    monkeypatch.setattr(bm_module, "hash_block", lambda p, t, e=0: sum(t) % 3)
+    bm = BlockManager(8, 2, True)
+    ab = make_seq(0, [1, 2, 1, 0, 5])  # A = (1, 2): hash 0, B = (1, 0): hash 1
+    c = make_seq(1, [0, 2, 5])  # C = (0, 2): hash 2
+    compute_all(bm, ab)
+    compute_all(bm, c)
+    assert [b.block_hash for b in bm.blocks[:4]] == [0, 1, None, 2]
+    assert bm.match_prefix(make_seq(2, [0, 2, 1, 0, 5])) == [3]
+    assert bm.match_prefix(make_seq(3, [1, 2, 1, 0, 5])) == [0, 1]
 
 
 # --- property-based: random operations over a simulated KV cache -------------------------------
@@ -499,8 +542,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert self.kv.slots[parent_id][-1] == last[:-bs]
 
 
+# PAGEDQ_PROPERTY_EXAMPLES=2000 for a thorough run; the default keeps the suite fast.
 SETTINGS = settings(
-    max_examples=60,
+    max_examples=int(os.environ.get("PAGEDQ_PROPERTY_EXAMPLES", "50")),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

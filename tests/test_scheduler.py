@@ -13,10 +13,12 @@ missed copy-on-write or a wrong recompute after preemption changes the tokens.
 from __future__ import annotations
 
 import itertools
+import os
 import zlib
 from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from unittest import mock
 
 import hypothesis.strategies as st
 import pytest
@@ -54,6 +56,13 @@ class FakeKV:
     def copy(self, pairs: Seq[tuple[int, int]]) -> None:
         for src, dst in pairs:
             self.slots[dst] = list(self.slots[src])
+
+    def after(self, pairs: Seq[tuple[int, int]]) -> FakeKV:
+        """The cache once the pending copies are done (they run before the next forward)."""
+        done = FakeKV(0, self.bs)
+        done.slots = list(self.slots)
+        done.copy(pairs)
+        return done
 
     def read(self, seq: Sequence, pos: int) -> Prefix | None:
         return self.slots[seq.block_table[pos // self.bs]][pos % self.bs]
@@ -162,8 +171,16 @@ class Sim:
         assert order == sorted(order)
         if all(n == 1 for n in self.n_of.values()):  # forks join beyond max_num_seqs
             assert len(sched.running) <= self.max_num_seqs
+        for seq in sched.waiting:
+            assert seq.num_computed_tokens == 0
+        if not self.static:  # a paged sequence holds exactly the blocks of its computed tokens
+            assert all(
+                len(s.block_table) == self.bm.blocks_for(s.num_computed_tokens)
+                for s in sched.running
+            )
+        kv = self.kv.after(self.bm.pending_copies)  # a static fork's copy is still pending
         for seq in sched.running:
-            assert self.kv.holds(seq), f"seq {seq.seq_id} lost its K/V"
+            assert kv.holds(seq), f"seq {seq.seq_id} lost its K/V"
 
     def run(self, max_steps: int = 10_000) -> int:
         steps = 0
@@ -391,6 +408,35 @@ def test_static_slots_are_capped_by_max_num_seqs() -> None:
     assert sim.sched.num_static_slots == 50
 
 
+def test_a_static_fork_gets_its_own_slot_and_a_copy_of_the_partial_block() -> None:
+    sim = Sim(num_blocks=12, block_size=4, max_model_len=12, static=True)
+    a = sim.add([1, 2, 3, 4, 5], max_tokens=6, n=2)
+    sim.step()  # a's prompt fills blocks 0 and 1 of its slot [0 1 2]; the fork joins the batch
+    child = sim.seqs[1]
+    assert a.block_table == [0, 1, 2] and child.block_table == [0, 3, 4]
+    assert child.status is SequenceStatus.RUNNING and child.num_computed_tokens == 5
+    out = sim.step()
+    assert out.blocks_to_copy == ((1, 3),)
+    sim.run()
+    assert a.token_ids == reference(a.prompt_token_ids, 6, 0)
+    assert child.token_ids == reference(a.prompt_token_ids, 6, 1)
+
+
+def test_a_static_fork_without_a_free_slot_waits_for_the_next_batch() -> None:
+    sim = Sim(num_blocks=5, block_size=4, max_model_len=12, static=True)  # one slot
+    a = sim.add([1, 2, 3, 4, 5], max_tokens=6, n=2)
+    b = sim.add([7, 7], max_tokens=2)
+    sim.step()
+    child = sim.seqs[2]
+    assert child.status is SequenceStatus.WAITING and child.block_table == []
+    assert list(sim.sched.waiting) == [child, b]  # it arrived with a, before b
+    assert child.num_tokens == 6  # its first token is kept: the next batch recomputes 6
+    sim.run()
+    assert a.token_ids == reference(a.prompt_token_ids, 6, 0)
+    assert child.token_ids == reference(a.prompt_token_ids, 6, 1)
+    assert b.token_ids == reference(b.prompt_token_ids, 2)
+
+
 # --- a pool of about three sequences, 64 requests ------------------------------------------------
 
 
@@ -404,8 +450,17 @@ def make_requests(count: int, seed: int) -> list[tuple[list[int], int, int]]:
     return requests
 
 
-def completions(sim: Sim) -> dict[tuple[str, int], list[int]]:
+Key = tuple[str, int]  # (request id, completion index)
+
+
+def completions(sim: Sim) -> dict[Key, list[int]]:
     return {(s.request_id, s.index): s.token_ids for s in sim.seqs}
+
+
+def expected_completions(requests: list[tuple[list[int], int, int]]) -> dict[Key, list[int]]:
+    return {
+        (f"r{i}", k): reference(p, m, k) for i, (p, m, n) in enumerate(requests) for k in range(n)
+    }
 
 
 def run_requests(sim: Sim, requests: list[tuple[list[int], int, int]]) -> None:
@@ -434,9 +489,7 @@ def test_64_requests_through_a_pool_of_three_sequences_give_the_unconstrained_to
         caching=caching,
     )
     run_requests(tight, requests)
-    expected = {
-        (f"r{i}", k): reference(p, m, k) for i, (p, m, n) in enumerate(requests) for k in range(n)
-    }
+    expected = expected_completions(requests)
     assert completions(free) == expected
     assert completions(tight) == expected
     assert all(s.is_finished and s.finish_reason == "length" for s in tight.seqs)
@@ -449,12 +502,10 @@ def test_64_requests_through_a_pool_of_three_sequences_give_the_unconstrained_to
 
 
 def test_64_requests_in_static_mode_give_the_same_tokens() -> None:
-    requests = [(p, m, 1) for p, m, _ in make_requests(64, seed=2)]
+    requests = make_requests(64, seed=2)  # with forks: each needs a slot of its own
     sim = Sim(num_blocks=27, block_size=4, max_model_len=36, static=True, max_num_batched_tokens=24)
     run_requests(sim, requests)
-    assert completions(sim) == {
-        (f"r{i}", 0): reference(p, m) for i, (p, m, _) in enumerate(requests)
-    }
+    assert completions(sim) == expected_completions(requests)
     assert sim.sched.num_preemptions == 0 and sim.bm.stats.peak_used_blocks == 27
 
 
@@ -465,34 +516,46 @@ def test_64_requests_with_colliding_hashes_give_the_same_tokens(
     requests = make_requests(64, seed=3)
     sim = Sim(num_blocks=27, block_size=4, max_num_seqs=16, max_num_batched_tokens=24)
     run_requests(sim, requests)
-    expected = {
-        (f"r{i}", k): reference(p, m, k) for i, (p, m, n) in enumerate(requests) for k in range(n)
-    }
+    expected = expected_completions(requests)
     assert completions(sim) == expected
 
 
-@settings(max_examples=25, deadline=None)
+def fit_to_pool(
+    requests: list[tuple[list[int], int, int]], num_tokens: int
+) -> list[tuple[list[int], int, int]]:
+    """Trim every request to at most `num_tokens` tokens, so that it fits alone."""
+    fitted = []
+    for prompt, max_tokens, n in requests:
+        prompt = prompt[: num_tokens - 1]
+        fitted.append((prompt, min(max_tokens, num_tokens - len(prompt)), n))
+    return fitted
+
+
+@settings(max_examples=int(os.environ.get("PAGEDQ_PROPERTY_EXAMPLES", "30")), deadline=None)
 @given(
     num_blocks=st.integers(6, 16),
     block_size=st.integers(2, 4),
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(1, 16),
-    caching=st.booleans(),
+    mode=st.sampled_from(["paged", "no-prefix-cache", "colliding-hash", "static"]),
     seed=st.integers(0, 1000),
 )
 def test_random_small_configurations_finish_every_request_correctly(
-    num_blocks: int, block_size: int, max_num_seqs: int, budget: int, caching: bool, seed: int
+    num_blocks: int, block_size: int, max_num_seqs: int, budget: int, mode: str, seed: int
 ) -> None:
-    requests = []
-    for prompt, max_tokens, n in make_requests(12, seed):
-        # Every request must fit alone: trim it to the pool.
-        limit = num_blocks * block_size
-        prompt = prompt[: limit - 1]
-        requests.append((prompt, max(1, min(max_tokens, limit - len(prompt))), n))
-    sim = Sim(num_blocks, block_size, max_num_seqs, budget, caching=caching)
-    run_requests(sim, requests)
-    expected = {
-        (f"r{i}", k): reference(p, m, k) for i, (p, m, n) in enumerate(requests) for k in range(n)
-    }
-    assert completions(sim) == expected
+    requests = fit_to_pool(make_requests(12, seed), num_blocks * block_size)
+    longest = max(len(p) + m for p, m, _ in requests)
+    sim = Sim(
+        num_blocks,
+        block_size,
+        max_num_seqs,
+        budget,
+        max_model_len=longest,
+        static=mode == "static",
+        caching=mode != "no-prefix-cache",
+    )
+    colliding = (lambda p, t, e=0: sum(t) % 3) if mode == "colliding-hash" else bm_module.hash_block
+    with mock.patch.object(bm_module, "hash_block", colliding):
+        run_requests(sim, requests)
+    assert completions(sim) == expected_completions(requests)
     assert sim.bm.num_used_blocks == 0

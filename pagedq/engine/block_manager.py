@@ -248,11 +248,13 @@ class BlockManager:
             seq.num_hashed_blocks = i + 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` shares every block of `parent` (the partial last one until a write)."""
+        """`child` shares the blocks holding `parent`'s computed tokens (the partial last one
+        until a write). Blocks reserved beyond them (static mode) stay `parent`'s alone."""
         assert not child.block_table
-        for block_id in parent.block_table:
+        shared = parent.block_table[: self.blocks_for(parent.num_computed_tokens)]
+        for block_id in shared:
             self._take(block_id)
-        child.block_table = list(parent.block_table)
+        child.block_table = list(shared)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_hashed_blocks = parent.num_hashed_blocks

@@ -87,9 +87,32 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A fork that already holds its parent's blocks joins the running list."""
+        """A fork that already holds its parent's blocks joins the running list.
+
+        Static mode: the fork needs a slot of its own (else both would write into the parent's
+        reserved blocks); without a free slot it waits for the next batch and recomputes.
+        """
+        if self.config.static and not self._reserve_fork_slot(seq):
+            return
+        self._insert_running(seq)
+
+    def _insert_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=_order)
+
+    def _reserve_fork_slot(self, seq: Sequence) -> bool:
+        slot_tokens = self.slot_blocks * self.bm.block_size
+        if len(self.running) < self.num_static_slots and self.bm.allocate(
+            seq, slot_tokens - seq.num_computed_tokens
+        ):
+            return True
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        at = 0  # static waiting queues are in arrival order: keep it
+        while at < len(self.waiting) and _order(self.waiting[at]) < _order(seq):
+            at += 1
+        self.waiting.insert(at, seq)
+        return False
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` (stop, length, abort): leave the queues and release its blocks."""
@@ -191,7 +214,7 @@ class Scheduler:
             seq.num_cached_tokens = num_hit_tokens
             self.bm.count_hit(seq.num_prompt_tokens, num_hit_tokens)
         seq.admitted_at = self.num_steps
-        self.add_running(seq)
+        self._insert_running(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
