@@ -130,6 +130,8 @@ def test_packed_tensors_on_grid(layer, gs: int | None, sym: bool, act: bool, fmt
         zeros = unpack_cols(packed.qzeros) + opts.zero_offset  # [G, N] real zeros
         if sym:
             assert bool((zeros == 8).all())
+            stored = 0x77777777 if fmt == "gptq" else 0x88888888 - 2**32  # int32 words
+            assert bool((packed.qzeros == stored).all())
         if fmt == "gptq" and not sym:
             assert int(zeros.min()) >= 1  # v1 cannot store a zero of 0
         # Every weight is scale * (integer in 0..15 - zero) of its own group.
@@ -158,7 +160,7 @@ def test_g_idx(layer, gs: int | None, act: bool) -> None:
     assert g_idx[:4].tolist() == [0, 0, 0, 0]  # the outlier channels come first
 
 
-@pytest.mark.parametrize(("gs", "act"), [(32, False), (64, True), (None, True)])
+@pytest.mark.parametrize(("gs", "act"), [(32, False), (64, True), (96, False), (None, True)])
 def test_lazy_blocks_match_unblocked_reference(layer, gs: int | None, act: bool) -> None:
     w, _, h = layer
     opts = QuantizeOptions(group_size=gs, sym=False, desc_act=act)

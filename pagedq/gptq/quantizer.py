@@ -183,7 +183,8 @@ def _gptq_columns(
     """The GPTQ column loop: `(q [N, K] grid ints, scales [G, N], zeros [G, N])`.
 
     A group's grid is chosen when its first column comes up, from the weights as updated by
-    every column quantized so far (in-block updates from `w1`, the rest from `w`).
+    every column quantized so far (exactly as the unblocked algorithm would see them, also
+    for a group that reaches past the current block).
     """
     k = w.shape[1]
     gs = k if group_size is None else group_size
@@ -198,7 +199,9 @@ def _gptq_columns(
         for i in range(i2 - i1):
             col = i1 + i
             if col % gs == 0:
-                group = torch.cat([w1[:, i : i + gs], w[:, i2 : col + gs]], dim=1)
+                ahead = w[:, i2 : col + gs]  # group columns past this block: apply the
+                ahead = ahead - err[:, :i] @ hinv[i1:col, i2 : col + gs]  # pending update
+                group = torch.cat([w1[:, i : i + gs], ahead], dim=1)
                 scale, zero = find_grid(group, spec)
                 scales.append(scale)
                 zeros.append(zero)
