@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -145,9 +146,10 @@ def dense_stack(weights: list[torch.Tensor], m: int) -> Stack:
 
 
 def tinygemm_layers() -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """aten int4 weights (bf16 scales and zeros); raises if this torch's signatures differ."""
+    """aten int4 weights (bf16 scales and zeros), one per linear; raises if this torch's
+    signatures differ (they changed across versions)."""
     layers = []
-    for _, k, n in SHAPES:
+    for _, k, n in SHAPES * LAYERS:
         q = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
         packed_u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
         w = torch._convert_weight_to_int4pack(packed_u8, 8)
@@ -158,7 +160,7 @@ def tinygemm_layers() -> list[tuple[torch.Tensor, torch.Tensor, int]]:
             torch.randn(1, k, device="cuda", dtype=torch.bfloat16), w, GROUP, sz
         )
         layers.append((w, sz, k))
-    return layers * LAYERS  # shared per shape: 4-bit weights are re-read each time, nothing cached
+    return layers
 
 
 def tinygemm_stack(layers: list[tuple[torch.Tensor, torch.Tensor, int]], m: int) -> Stack:
@@ -277,16 +279,46 @@ def small_m_sweep(
     return rows
 
 
+def config_sweep(
+    weights: list[PackedGPTQWeight], nbytes: int, repeats: int
+) -> list[dict[str, Any]]:
+    """Triton split-K GEMV over BLOCK_N x SPLIT_K_WAVES, to retune triton_kernels/gptq_configs."""
+    from triton_kernels import gptq_configs as cfgs
+
+    saved = (cfgs.SMALL_M_CONFIGS, cfgs.SPLIT_K_WAVES)
+    rows = []
+    try:
+        for m, block_n, waves, warps in itertools.product(
+            (1, 16), (32, 64, 128), (1, 2, 4), (4, 8)
+        ):
+            cfg = cfgs.KernelConfig(block_m=16, block_n=block_n, num_warps=warps, num_stages=3)
+            cfgs.SMALL_M_CONFIGS, cfgs.SPLIT_K_WAVES = ((16, cfg),), waves
+            call = lambda x, w: ops._launch_triton(x, w, None, small=True)
+            ms = time_ms(graphed(pagedq_stack(weights, m, call)), repeats)
+            rows.append(
+                {"m": m, "block_n": block_n, "waves": waves, "num_warps": warps, "graph_ms": ms}
+            )
+    finally:
+        cfgs.SMALL_M_CONFIGS, cfgs.SPLIT_K_WAVES = saved
+    for m in (1, 16):
+        best = min((r for r in rows if r["m"] == m), key=lambda r: r["graph_ms"])
+        print(
+            f"  config sweep M={m}: best {best} ({nbytes / best['graph_ms'] / 1e9:.2f} TB/s)",
+            flush=True,
+        )
+    return rows
+
+
 def run_peer(
     name: str, build: Callable[[], Any], results: dict[str, Any], fn: Callable[[Any], None]
 ) -> None:
+    state = None
     try:
         state = build()
+        fn(state)
     except Exception as exc:  # peers are optional: record why and go on
         results["skipped"][name] = " ".join(str(exc).split())[:300] or type(exc).__name__
         print(f"  {name}: skipped ({results['skipped'][name]})", flush=True)
-        return
-    fn(state)
     del state
     torch.cuda.empty_cache()
 
@@ -299,6 +331,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--ms", type=str, default=",".join(map(str, MS)))
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the Triton GEMV configs")
     args = parser.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     torch.manual_seed(0)
@@ -329,6 +362,8 @@ def main() -> None:
             flush=True,
         )
     results["small_m"] = small_m_sweep(weights, nbytes, args.repeats)
+    if args.sweep:
+        results["config_sweep"] = config_sweep(weights, nbytes, args.repeats)
     results["max_rel_error"] = accuracy(weights, ms)
     print(
         "  accuracy vs reference: "

@@ -1,7 +1,21 @@
-// Registers the extension's ops as torch custom ops (pagedq::*); fake kernels live in build.py.
+// The one bindings file: registers the extension's ops as torch custom ops (pagedq::*).
+// Fake (meta) kernels are registered from Python in build.py.
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include "ops.h"
+#include <cstdint>
+#include <optional>
+
+namespace pagedq {
+
+// gptq_gemv.cu: out [M, N] = x [M, K] @ W^T (+ bias) for M <= 16, W packed as in
+// pagedq/ops/gptq.py; locks are split-K arrival counters (zero between calls).
+at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& zeros,
+                          const std::optional<at::Tensor>& bias, at::Tensor& locks,
+                          int64_t group_size, int64_t split_k);
+
+}  // namespace pagedq
 
 TORCH_LIBRARY_FRAGMENT(pagedq, m) {
   m.def(

@@ -8,7 +8,6 @@
 #include <algorithm>
 
 #include "gptq_gemv.cuh"
-#include "ops.h"
 
 namespace pagedq {
 namespace {
@@ -117,6 +116,7 @@ gptq::GemvParams<T> make_params(const at::Tensor& x, const at::Tensor& qweight,
 
 }  // namespace
 
+// Declared in bindings.cpp, which registers it as pagedq::gptq_gemv.
 at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros,
                           const std::optional<at::Tensor>& bias, at::Tensor& locks,

@@ -7,8 +7,10 @@ and dequantized checkpoints of test_gptq_linear.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +204,61 @@ def test_cuda_gemv_arithmetic_on_host(
     # weights rounded to dtype once, 8-product partial sums in dtype (bf16: 2**-9 relative)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+# --- the Triton kernels through the real compiler (sm_90), no GPU needed ------------------
+
+AOT_VARIANTS = [  # (kernel, dtype, BLOCK_M, BLOCK_N, SCALE_MODE, HAS_ZEROS, HAS_BIAS, USE_SPLIT_K)
+    ("gemv", "fp16", 16, 64, 0, False, False, True),
+    ("gemv", "bf16", 16, 64, 1, True, True, True),
+    ("gemv", "fp16", 16, 64, 2, True, False, False),
+    ("gemm", "fp16", 64, 128, 0, False, True, False),
+    ("gemm", "bf16", 32, 128, 0, True, False, True),
+    ("gemm", "fp16", 128, 128, 1, False, False, False),
+]
+
+
+def aot_compile_variants() -> list[str]:
+    """Compile every AOT_VARIANTS entry for sm_90 (needs TRITON_INTERPRET unset); returns names."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton_kernels.gptq_gemm import gptq_gemm_kernel
+    from triton_kernels.gptq_gemv import gptq_gemv_kernel
+
+    done = []
+    for name, dtype, bm, bn, mode, zeros, bias, split in AOT_VARIANTS:
+        kernel = gptq_gemv_kernel if name == "gemv" else gptq_gemm_kernel
+        consts = {"BLOCK_M": bm, "BLOCK_N": bn, "SCALE_MODE": mode, "HAS_ZEROS": zeros}
+        consts |= {"HAS_BIAS": bias, "USE_SPLIT_K": split} | (
+            {"GROUP_M": 8} if name == "gemm" else {}
+        )
+        pointers = {"qweight_ptr": "*i32", "ws_ptr": "*fp32", "locks_ptr": "*i32"}
+        signature = {}
+        for arg in kernel.arg_names:
+            if arg in consts:
+                signature[arg] = "constexpr"
+            elif arg.endswith("_ptr"):
+                signature[arg] = pointers.get(arg, f"*{dtype}")
+            else:
+                signature[arg] = "i32"
+        keyed = {(kernel.arg_names.index(k),): v for k, v in consts.items()}  # triton >= 3.2 form
+        source = ASTSource(kernel, signature, keyed)
+        options = {"num_warps": 8 if bm == 128 else 4, "num_stages": 3}
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        done.append(f"{name}-{dtype}-{bm}x{bn}-mode{mode}")
+    return done
+
+
+@pytest.mark.slow
+def test_triton_kernels_compile_for_sm90() -> None:
+    """The interpreter does not type-check like the compiler: compile for an H100/H200 offline."""
+    pytest.importorskip("triton.backends.nvidia")
+    code = "from tests.test_gptq_kernels import aot_compile_variants as f; print(len(f()))"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == str(len(AOT_VARIANTS))

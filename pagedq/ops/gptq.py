@@ -9,7 +9,9 @@ test oracle. `gptq_matmul` dispatches by `PAGEDQ_GPTQ_BACKEND`, read on every ca
   (when it built), the Triton split-K GEMV for M <= SMALL_M_MAX_M, the Triton GEMM above;
 - `cuda`: the CUDA GEMV whenever it applies (M <= SMALL_M_MAX_M, fp16/bf16, group size a
   multiple of 32), Triton otherwise or when the extension cannot be built (one notice);
-- `triton`: the Triton kernels by M; on CPU tensors they run in the Triton interpreter.
+- `triton`: the Triton kernels by M; on CPU tensors they run in the Triton interpreter
+  (TRITON_INTERPRET=1 is set for the process if no GPTQ kernel module was imported yet, so
+  Triton kernels imported later in the process are interpreted too).
 
 Per call nothing synchronises the host (Python ints, `torch.empty`, launches), so every GPU
 path can be captured in a CUDA graph; the CUDA extension builds on its first call, so run one
