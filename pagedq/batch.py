@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import os
 import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,6 @@ from pagedq.batch_io import (
     DoneRows,
     InputRow,
     OutputFile,
-    count_rows,
     detect_format,
     id_key,
     read_output,
@@ -39,8 +39,12 @@ from pagedq.batch_io import (
 )
 from pagedq.batch_report import BatchSummary, RunStats, StaticComparison, round_up
 from pagedq.batch_runner import Renderer, Runner, progress_bar
-from pagedq.config import CACHE_MODES
-from pagedq.errors import ConfigError, TokenizerError
+from pagedq.config import CACHE_MODES, EngineConfig
+from pagedq.engine.resources import kv_bytes_per_block, resolve_config
+from pagedq.errors import ConfigError, InvalidRequestError, TokenizerError
+from pagedq.llm import LLM
+from pagedq.loader.hf_config import load_model_config
+from pagedq.loader.tokenizer import Tokenizer
 from pagedq.sampling_params import SamplingParams
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -173,18 +177,31 @@ def _run_main_pass(
     job: _Job, opts: BatchOptions, out: OutputFile, done: DoneRows
 ) -> tuple[BatchSummary, set[int]]:
     """The job itself: its summary and the input lines of the rows it finished."""
+    pending, skipped = _count_pending(job, opts, done)
+    if pending == 0:  # a finished job: nothing to load
+        stats = RunStats(opts.cache, False, opts.block_size, 0, job.params.max_tokens)
+        stats.skipped = skipped
+        return BatchSummary(job.label, job.output, 0.0, stats), set()
     max_model_len = _static_len_from_input(job, opts) if opts.cache == "static" else None
     llm, load_s = _load_llm(opts, opts.cache, max_model_len, job.params)
-    total = count_rows(job.input)
-    if opts.limit is not None:
-        total = min(total, opts.limit)
     stats = _new_stats(llm, opts, opts.cache, job.params)
     renderer = Renderer.for_model(llm.tokenizer, job.system, opts.chat)
     rows = read_rows(job.input, job.fmt, opts.limit)
-    with progress_bar(total, "batch", opts.progress) as bar:
+    with progress_bar(pending, "batch", opts.progress) as bar:
         runner = Runner(llm, renderer, job.params, stats, out.write, bar)
         runner.run(rows, done)
     return BatchSummary(job.label, job.output, load_s, stats), runner.finished_lines
+
+
+def _count_pending(job: _Job, opts: BatchOptions, done: DoneRows) -> tuple[int, int]:
+    """(rows still to do, rows already in the output), from one read of the input."""
+    pending = skipped = 0
+    for row in read_rows(job.input, job.fmt, opts.limit):
+        if done.has(row):
+            skipped += 1
+        else:
+            pending += 1
+    return pending, skipped
 
 
 # --- engines ---------------------------------------------------------------------------------
@@ -192,12 +209,8 @@ def _run_main_pass(
 
 def _load_llm(
     opts: BatchOptions, cache: str, max_model_len: int | None, params: SamplingParams
-) -> tuple[Any, float]:
+) -> tuple[LLM, float]:
     """An `LLM` for the job and the seconds it took to load."""
-    import time
-
-    from pagedq.llm import LLM
-
     start = time.perf_counter()
     llm = LLM(
         opts.model,
@@ -214,9 +227,7 @@ def _load_llm(
     return llm, time.perf_counter() - start
 
 
-def _new_stats(llm: Any, opts: BatchOptions, cache: str, params: SamplingParams) -> RunStats:
-    from pagedq.engine.resources import kv_bytes_per_block
-
+def _new_stats(llm: LLM, opts: BatchOptions, cache: str, params: SamplingParams) -> RunStats:
     engine = llm.engine
     return RunStats(
         cache=cache,
@@ -241,13 +252,7 @@ def _static_len(
 
 def _static_len_from_input(job: _Job, opts: BatchOptions) -> int:
     """Tokenize every row once (nothing kept) to size the static slots before loading."""
-    from pagedq.config import EngineConfig
-    from pagedq.engine.resources import resolve_config
-    from pagedq.errors import InvalidRequestError
-    from pagedq.loader.hf_config import load_model_config
-    from pagedq.loader.tokenizer import Tokenizer
-
-    model_dir = resolve_config(EngineConfig(model=opts.model, device=opts.device)).model_dir
+    model_dir = _model_dir(opts)
     renderer = Renderer.for_model(Tokenizer.from_model_dir(model_dir), job.system, opts.chat)
     longest = 0
     for row in read_rows(job.input, job.fmt, opts.limit):
@@ -271,7 +276,7 @@ def _compare_static(
         empty = RunStats("static", False, run.block_size, run.kv_block_bytes, run.max_tokens)
         return StaticComparison(empty, 0, 0)
     gc.collect()  # the paged engine is gone: free its pool before the static one is allocated
-    model_max = _model_max(opts)
+    model_max = load_model_config(_model_dir(opts)).max_position_embeddings
     max_len = _static_len(run.longest_prompt, job.params.max_tokens, opts.block_size, model_max)
     llm, _ = _load_llm(opts, "static", max_len, job.params)
     stats = _new_stats(llm, opts, "static", job.params)
@@ -298,10 +303,6 @@ def _rows_at(rows: Iterable[InputRow | BadRow], lines: set[int]) -> Iterable[Inp
     return (row for row in rows if isinstance(row, InputRow) and row.line in lines)
 
 
-def _model_max(opts: BatchOptions) -> int:
-    from pagedq.config import EngineConfig
-    from pagedq.engine.resources import resolve_config
-    from pagedq.loader.hf_config import load_model_config
-
-    model_dir = resolve_config(EngineConfig(model=opts.model, device=opts.device)).model_dir
-    return load_model_config(model_dir).max_position_embeddings
+def _model_dir(opts: BatchOptions) -> Path:
+    """The model folder the job's engines load (the default model is built on first use)."""
+    return resolve_config(EngineConfig(model=opts.model, device=opts.device)).model_dir

@@ -85,12 +85,6 @@ def detect_format(path: Path, fmt: str = "auto") -> str:
     return "text"
 
 
-def count_rows(path: Path) -> int:
-    """Non-blank lines of the input (the progress bar's total)."""
-    with path.open("rb") as f:
-        return sum(1 for raw in f if raw.strip())
-
-
 def read_rows(path: Path, fmt: str, limit: int | None = None) -> Iterator[InputRow | BadRow]:
     """Every non-blank line of `path` (the first `limit` of them), read lazily.
 

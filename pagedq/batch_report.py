@@ -109,6 +109,9 @@ class BatchSummary:
         r = self.run
         state = " (interrupted)" if r.interrupted else ""
         lines = [f"pagedq batch{state}: {self.input} -> {self.output}"]
+        if r.rows == r.errors == 0 and not r.interrupted:
+            lines.append(_row("rows", f"nothing to do: all {r.skipped:,} are in the output"))
+            return "\n".join(lines)
         lines += [_row(label, value) for label, value in _run_rows(r, self.load_s)]
         if self.comparison is not None:
             lines += [_row(label, value) for label, value in _comparison_rows(r, self.comparison)]
@@ -141,8 +144,9 @@ def _row(label: str, value: str) -> str:
     return f"  {label:<20} {value}"
 
 
-def _times(more: float, less: float) -> str:
-    return f"{more / less:.1f}x" if less > 0 else "n/a"
+def _times(a: float, b: float) -> str:
+    """a / b as "2.5x"."""
+    return f"{a / b:.2f}x" if b > 0 else "n/a"
 
 
 def _run_rows(r: RunStats, load_s: float) -> list[tuple[str, str]]:
@@ -198,8 +202,8 @@ def _comparison_rows(r: RunStats, c: StaticComparison) -> list[tuple[str, str]]:
         ),
         (
             "paged / static",
-            f"{_times(s.wall_s, r.wall_s)} faster, "
-            f"{_times(s.peak_kv_blocks, r.peak_kv_blocks)} less KV at peak; "
+            f"{_times(r.tokens_per_s(), s.tokens_per_s())} the throughput, "
+            f"{_times(r.peak_kv_blocks, s.peak_kv_blocks)} the peak KV; "
             f"identical outputs {c.identical:,}/{c.compared:,}",
         ),
     ]

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from pagedq.batch_io import BadRow, DoneRows, InputRow
 from pagedq.batch_report import RunStats
 from pagedq.errors import InvalidRequestError, TokenizerError
+from pagedq.llm import LLM
 from pagedq.loader.tokenizer import Tokenizer
 from pagedq.outputs import RequestOutput
 from pagedq.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ class Runner:
 
     def __init__(
         self,
-        llm: Any,
+        llm: LLM,
         renderer: Renderer,
         params: SamplingParams,
         stats: RunStats,
@@ -126,7 +127,6 @@ class Runner:
                 return True
             if done is not None and done.has(row):
                 self.stats.skipped += 1
-                self.bar.update(1)
             elif isinstance(row, BadRow):
                 self._report_error(row)
             else:
