@@ -40,6 +40,8 @@ class SentencePieceBackend:
       space, and never when the model or `add_prefix_space: false` turns it off.
     - decode: pieces with "▁" as space, byte pieces joined into UTF-8 (a run that is not valid
       UTF-8 gives one U+FFFD per byte), one leading space dropped when prefixes are on.
+    - `add_bos_token` defaults to true, the sentencepiece Llama convention (transformers 5
+      adds no bos when tokenizer_config.json does not say; real Llama folders always say).
     """
 
     def __init__(self, path: Path, config: dict[str, Any]) -> None:

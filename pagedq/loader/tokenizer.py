@@ -3,7 +3,10 @@
 `tokenizer.json` is run by the `tokenizers` library; a folder with only `tokenizer.model` by
 sentencepiece. Special tokens, `add_bos_token` / `add_eos_token` and the chat template come from
 `tokenizer_config.json`. Ids, decoded text and rendered chats follow transformers'
-`AutoTokenizer` for the same folder.
+`AutoTokenizer` for the same folder, with one deliberate exception: transformers 5 rebuilds
+the pipeline of a `LlamaTokenizer` folder from the class, so an old Llama-2-style
+tokenizer.json (a normalizer that prepends "▁" to every piece of text) is run its own way
+there; pagedq runs the file as written, as transformers 4 and the `tokenizers` library do.
 """
 
 from __future__ import annotations
