@@ -81,8 +81,8 @@ def _unavailable(name: str, error: str) -> int:
 BATCH_DESCRIPTION = """\
 Run many prompts that share one system prompt, one answer each, written to a JSONL file as
 they finish. Run the same command again after a crash, Ctrl-C or kill -9: rows already in
-the output are skipped. With no --input, runs the bundled example: a few hundred product
-reviews classified by one shared rules prompt."""
+the output are skipped (error rows too: delete them from the output to retry them). With no
+--input, runs the bundled example: 250 product reviews classified by one shared rules prompt."""
 
 
 def add_batch_parser(subparsers: SubParsers) -> None:
@@ -119,27 +119,38 @@ def _add_sampling_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--max-tokens", type=int, metavar="N", help="new tokens per row (default 128; example: 8)"
     )
-    group.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--seed", type=int, help="per-row sampling seed (reproducible on resume)")
+    group.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)"
+    )
+    group.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default 1.0")
+    group.add_argument(
+        "--seed", type=int, metavar="S", help="per-row sampling seed (same output on resume)"
+    )
     group.add_argument("--stop", nargs="+", action="extend", metavar="STR", help="stop strings")
 
 
 def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--cache", choices=("paged", "static"), default="paged")
+    group.add_argument(
+        "--cache",
+        choices=("paged", "static"),
+        default="paged",
+        help="paged: blocks on demand, prefix sharing (default); static: preallocated slots",
+    )
     group.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",
         help="do not share the prompt blocks of the common prefix",
     )
-    group.add_argument("--block-size", type=int, default=16, metavar="N")
+    group.add_argument("--block-size", type=int, default=16, metavar="N", help="default 16")
     group.add_argument(
         "--compare-static",
         action="store_true",
         help="run this run's rows again in the static (preallocated) mode and compare",
     )
-    group.add_argument("--max-num-seqs", type=int, default=64, metavar="N")
+    group.add_argument(
+        "--max-num-seqs", type=int, default=64, metavar="N", help="running at once (default 64)"
+    )
     group.add_argument("--num-blocks", type=int, metavar="N", help="KV pool size in blocks")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument(

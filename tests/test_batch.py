@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagedq.batch import BatchOptions, run_batch
+from pagedq.batch import BUNDLED_INPUT, BUNDLED_RULES, BatchOptions, run_batch
 from pagedq.batch_io import (
     BatchFileError,
     InputRow,
@@ -316,3 +316,27 @@ def test_reading_rows(tmp_path: Path) -> None:
     text.write_text("\n{not json, just text}\n", encoding="utf-8")
     assert detect_format(text) == "jsonl" and detect_format(text, "text") == "text"
     assert detect_format(tmp_path / "x.txt", "auto") == "text"
+
+
+# --- the bundled example -----------------------------------------------------------------------
+
+
+def test_bundled_example_is_well_formed() -> None:
+    rows = list(read_rows(BUNDLED_INPUT, detect_format(BUNDLED_INPUT)))
+    assert all(isinstance(r, InputRow) for r in rows)
+    assert 200 <= len(rows) <= 300
+    assert len({r.prompt for r in rows}) == len(rows)  # no two reviews alike
+    assert 1500 < len(BUNDLED_RULES.read_text(encoding="utf-8")) < 6000  # several hundred tokens
+
+
+@pytest.mark.slow
+def test_bundled_example_on_the_default_model(tmp_path: Path) -> None:
+    # The embedded quantized SmolLM2 (quantized on first use: minutes), three reviews.
+    summary = run_batch(None, tmp_path / "out.jsonl", BatchOptions(limit=3, progress=False))
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["id"] for r in out] == ["r001", "r002", "r003"]
+    assert all(r["text"].strip() and len(r["token_ids"]) <= 8 for r in out)
+    assert out[0]["num_cached_tokens"] == 0
+    assert all(r["num_cached_tokens"] >= 560 for r in out[1:])  # the rules: ~570 tokens
+    assert summary.run.hit_rate > 0.6
+    assert "KV vs static" in summary.format()
