@@ -35,12 +35,12 @@ from pagedq.engine.sequence import Sequence
 Prefix = tuple[int, ...]
 
 
-def make_seq(seq_id: int, tokens: Seq[int], arrival: int | None = None) -> Sequence:
+def make_seq(seq_id: int, tokens: Seq[int]) -> Sequence:
     return Sequence(
         seq_id=seq_id,
         request_id=f"r{seq_id}",
         index=0,
-        arrival=seq_id if arrival is None else arrival,
+        arrival=seq_id,
         token_ids=list(tokens),
         num_prompt_tokens=len(tokens),
         max_tokens=100,
@@ -399,17 +399,23 @@ class FakeKV:
         for src, dst in pairs:
             self.slots[dst] = list(self.slots[src])
 
+    def after(self, pairs: Seq[tuple[int, int]]) -> FakeKV:
+        """The cache once the pending copies are done (they run before the next forward)."""
+        done = FakeKV(0, self.bs)
+        done.slots = list(self.slots)
+        done.copy(pairs)
+        return done
+
     def read(self, seq: Sequence, pos: int) -> Prefix | None:
         return self.slots[seq.block_table[pos // self.bs]][pos % self.bs]
 
-    def compute(self, seq: Sequence, start: int, num_tokens: int) -> Prefix:
-        """Run the "model" on tokens [start, start + num_tokens): read the cached prefix, write."""
+    def compute(self, seq: Sequence, start: int, num_tokens: int) -> Prefix | None:
+        """Tokens [start, start + num_tokens): each reads the K/V before it and writes its own.
+        Returns what the last one saw (None if the cache held garbage)."""
         value: Prefix | None = self.read(seq, start - 1) if start else ()
         for pos in range(start, start + num_tokens):
-            assert value == tuple(seq.token_ids[:pos]), f"seq {seq.seq_id} read foreign KV"
-            value = (*value, seq.token_ids[pos])
+            value = None if value is None else (*value, seq.token_ids[pos])
             self.slots[seq.block_table[pos // self.bs]][pos % self.bs] = value
-        assert value is not None
         return value
 
     def holds(self, seq: Sequence) -> bool:
@@ -451,21 +457,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _pick(self, i: int) -> Sequence:
         return self.live[i % len(self.live)]
 
-    def _run(self, seq: Sequence, num_new: int, hits: Seq[int] = ()) -> bool:
-        """allocate + forward + commit; on failure check that nothing changed."""
+    def _run(self, seq: Sequence, num_new: int, early: bool, hits: Seq[int] = ()) -> bool:
+        """allocate + forward + commit; on failure check that nothing changed. `early`: the
+        blocks are registered when scheduled (as the scheduler does), else after the forward."""
         before = state_of(self.bm, *self.live, seq)
         if not self.bm.allocate(seq, num_new, hits):
             assert state_of(self.bm, *self.live, seq) == before
             return False
-        self.kv.copy(self.bm.take_copies())
         start = seq.num_computed_tokens
-        self.kv.compute(seq, start, num_new)
+        if early:
+            self.bm.cache_full_blocks(seq, start + num_new)
+        self.kv.copy(self.bm.take_copies())
+        seen = self.kv.compute(seq, start, num_new)
+        assert seen == tuple(seq.token_ids[: start + num_new]), f"seq {seq.seq_id} read foreign KV"
         seq.num_computed_tokens = start + num_new
-        self.bm.cache_full_blocks(seq)
+        if not early:
+            self.bm.cache_full_blocks(seq)
         return True
 
-    @rule(tokens=TOKENS, chunk=st.integers(1, 10))
-    def add(self, tokens: list[int], chunk: int) -> None:
+    @rule(tokens=TOKENS, chunk=st.integers(1, 10), early=st.booleans())
+    def add(self, tokens: list[int], chunk: int, early: bool) -> None:
         seq = self._new_seq(tokens)
         hits = self.bm.match_prefix(seq)
         bs = self.bm.block_size
@@ -479,7 +490,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for j in range(bs):
                 assert self.kv.slots[block_id][j] == tuple(tokens[: i * bs + j + 1])
         num_new = min(chunk, seq.num_tokens - len(hits) * bs)
-        if self._run(seq, num_new, hits):
+        if self._run(seq, num_new, early, hits):
             self.live.append(seq)
 
     @precondition(lambda self: self.live)
@@ -488,11 +499,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._pick(i).token_ids.extend(tokens)
 
     @precondition(lambda self: any(s.num_computed_tokens < s.num_tokens for s in self.live))
-    @rule(i=st.integers(0, 99), chunk=st.integers(1, 10))
-    def step(self, i: int, chunk: int) -> None:
+    @rule(i=st.integers(0, 99), chunk=st.integers(1, 10), early=st.booleans())
+    def step(self, i: int, chunk: int, early: bool) -> None:
         behind = [s for s in self.live if s.num_computed_tokens < s.num_tokens]
         seq = behind[i % len(behind)]
-        self._run(seq, min(chunk, seq.num_tokens - seq.num_computed_tokens))
+        self._run(seq, min(chunk, seq.num_tokens - seq.num_computed_tokens), early)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 99))

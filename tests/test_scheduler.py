@@ -28,8 +28,8 @@ import pagedq.engine.block_manager as bm_module
 from pagedq.engine.block_manager import BlockManager
 from pagedq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedq.engine.sequence import Sequence, SequenceStatus
+from tests.test_block_manager import FakeKV, Prefix
 
-Prefix = tuple[int, ...]
 VOCAB = 40
 
 
@@ -44,43 +44,6 @@ def reference(prompt: Seq[int], max_tokens: int, index: int = 0) -> list[int]:
     for _ in range(max_tokens):
         tokens.append(next_token(tokens, index))
     return tokens
-
-
-class FakeKV:
-    """Per slot, the token prefix whose last token's K/V was written there (None: never)."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.bs = block_size
-        self.slots: list[list[Prefix | None]] = [[None] * block_size for _ in range(num_blocks)]
-
-    def copy(self, pairs: Seq[tuple[int, int]]) -> None:
-        for src, dst in pairs:
-            self.slots[dst] = list(self.slots[src])
-
-    def after(self, pairs: Seq[tuple[int, int]]) -> FakeKV:
-        """The cache once the pending copies are done (they run before the next forward)."""
-        done = FakeKV(0, self.bs)
-        done.slots = list(self.slots)
-        done.copy(pairs)
-        return done
-
-    def read(self, seq: Sequence, pos: int) -> Prefix | None:
-        return self.slots[seq.block_table[pos // self.bs]][pos % self.bs]
-
-    def compute(self, seq: Sequence, start: int, num_tokens: int) -> Prefix | None:
-        """Tokens [start, start + num_tokens): each reads the K/V before it and writes its own.
-        Returns what the last one saw (None if the cache held garbage)."""
-        value: Prefix | None = self.read(seq, start - 1) if start else ()
-        for pos in range(start, start + num_tokens):
-            value = None if value is None else (*value, seq.token_ids[pos])
-            self.slots[seq.block_table[pos // self.bs]][pos % self.bs] = value
-        return value
-
-    def holds(self, seq: Sequence) -> bool:
-        return all(
-            self.read(seq, p) == tuple(seq.token_ids[: p + 1])
-            for p in range(seq.num_computed_tokens)
-        )
 
 
 @dataclass
@@ -276,6 +239,21 @@ def test_prefix_hits_are_free_and_capped_to_leave_one_token() -> None:
     sim.run()
     assert b.token_ids == a.token_ids == reference(prompt, 8)
     assert c.token_ids == reference(c.prompt_token_ids, 8)
+
+
+def test_identical_prompts_admitted_in_one_step_share_the_blocks_being_computed() -> None:
+    sim = Sim(num_blocks=64, block_size=4, max_num_batched_tokens=24)
+    prompt = list(range(16))
+    a, b, c = (sim.add(prompt, max_tokens=3) for _ in range(3))
+    out = sim.step()
+    # a's blocks are registered as a is scheduled (the forward writes every K/V of a layer
+    # before any attention of it reads), so b and c hit 3 of them in the same step.
+    assert chunks_of(out) == [(a.seq_id, 0, 16), (b.seq_id, 12, 4), (c.seq_id, 12, 4)]
+    assert b.block_table[:3] == c.block_table[:3] == a.block_table[:3]
+    assert len({a.block_table[3], b.block_table[3], c.block_table[3]}) == 3
+    assert sim.bm.stats.hit_tokens == 24
+    sim.run()
+    assert a.token_ids == b.token_ids == c.token_ids == reference(prompt, 3)
 
 
 def test_hits_do_not_count_against_the_budget() -> None:
