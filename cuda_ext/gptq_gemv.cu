@@ -128,7 +128,7 @@ at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
   const int64_t per_split = (num_blocks + split_k - 1) / split_k;
   const int64_t split = (num_blocks + per_split - 1) / per_split;  // no empty split
   const int m_tile = m_tile_for(m);
-  const int64_t staged = m_tile * per_split * gptq::kBlockK * static_cast<int64_t>(x.element_size());
+  const int64_t staged = m_tile * per_split * gptq::kBlockK * x.element_size();
   TORCH_CHECK(staged <= gptq::kMaxStagedBytes, "gptq_gemv: split_k = ", split_k, " stages ", staged,
               " bytes of activations per CTA, the limit is ", gptq::kMaxStagedBytes);
   const int64_t tiles = (n + gptq::kTileN - 1) / gptq::kTileN;

@@ -18,8 +18,8 @@
 //
 // Dequantization in registers: ((word >> 4p) & 0x000F000F) | MAGIC read as a T pair is
 // (MAGIC + q, MAGIC + q') of rows (32p + 2r, 32p + 2r + 1) exactly; subtracting (MAGIC + z') is
-// exact and the scale multiply rounds once. The 8 products of a word are summed in the pair type (4 per lane), and
-// every word's sum accumulates in fp32.
+// exact and the scale multiply rounds once. The products of one or two words (kWordsPerSum) are
+// summed in the pair type (at most 8 per lane), and those sums accumulate in fp32.
 //
 // Split-K: each CTA writes its fp32 partial tile to workspace[split]; the last CTA of a column
 // tile to arrive (counter in locks) sums the partials in split order, adds the bias, writes T
@@ -48,6 +48,10 @@ constexpr int kThreads = kThreadsN * kThreadsK;
 constexpr int kWarps = kThreads / 32;
 constexpr int kTileN = kThreadsN * kCols;     // output columns per CTA
 constexpr int kRowChunk = 8;                  // word rows loaded before they are consumed
+// words whose products are summed in T2 before an fp32 add: 2 saves conversions at small M,
+// 1 keeps registers in check at large M
+template <int M_TILE>
+constexpr int kWordsPerSum = M_TILE <= 4 ? 2 : 1;
 constexpr int kMaxStagedBytes = 48 * 1024;    // staged activations per CTA (no smem opt-in)
 
 // T (__half or __nv_bfloat16) and its pair type, with the exponent trick's magic number.
@@ -119,6 +123,18 @@ __host__ __device__ inline T2 fma2(T2 a, T2 b, T2 c) {
 #endif
 }
 
+// (bits & mask) | magic in one LOP3 (plain C++ leaves two: one per immediate).
+template <uint32_t kMask, uint32_t kMagic>
+__host__ __device__ inline uint32_t and_or(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  uint32_t out;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(bits), "n"(kMask), "n"(kMagic));
+  return out;
+#else
+  return (bits & kMask) | kMagic;
+#endif
+}
+
 // The 8 weights of one word as 4 pairs: w[p] = ((q_p, q_{p+4}) - z') * s, exact up to the multiply.
 template <typename T>
 __host__ __device__ inline void dequant_word(uint32_t word, const typename Pair<T>::T2 (&scale)[4],
@@ -127,18 +143,24 @@ __host__ __device__ inline void dequant_word(uint32_t word, const typename Pair<
   using T2 = typename Pair<T>::T2;
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
-    const uint32_t bits = ((word >> (4 * p)) & 0x000F000Fu) | Pair<T>::kMagicBits;
+    const uint32_t bits = and_or<0x000F000Fu, Pair<T>::kMagicBits>(word >> (4 * p));
     w[p] = __hmul2(__hsub2(bits_to_pair<T2>(bits), zero_biased[p]), scale[p]);
   }
 }
 
-// sum_j w_j * x_j of one word: products summed in T2 (4 per lane), result in fp32.
+// sum += w_j * x_j over the 8 weights of one word, in T2 (4 products per lane).
 template <typename T>
-__host__ __device__ inline float dot_word(const typename Pair<T>::T2 (&w)[4],
-                                          const typename Pair<T>::T2 (&x)[4]) {
-  auto sum = __hmul2(w[0], x[0]);
+__host__ __device__ inline typename Pair<T>::T2 dot_word(const typename Pair<T>::T2 (&w)[4],
+                                                         const typename Pair<T>::T2 (&x)[4],
+                                                         typename Pair<T>::T2 sum) {
 #pragma unroll
-  for (int p = 1; p < 4; ++p) sum = fma2(w[p], x[p], sum);
+  for (int p = 0; p < 4; ++p) sum = fma2(w[p], x[p], sum);
+  return sum;
+}
+
+// Both lanes of a T2 partial sum, added in fp32.
+template <typename T>
+__host__ __device__ inline float fold(typename Pair<T>::T2 sum) {
   const float2 f = Pair<T>::to_float2(sum);
   return f.x + f.y;
 }
@@ -231,20 +253,34 @@ __host__ __device__ inline void accumulate_block(const GemvParams<T>& p, const T
   for (int r0 = 0; r0 < kWordRows; r0 += kRowChunk) {
     uint4 words[kRowChunk];
 #pragma unroll
-    for (int r = 0; r < kRowChunk; ++r) words[r] = load_words(wp + static_cast<int64_t>(r0 + r) * p.N);
-#pragma unroll
     for (int r = 0; r < kRowChunk; ++r) {
-      const uint32_t cols[kCols] = {words[r].x, words[r].y, words[r].z, words[r].w};
-      T2 w[kCols][4];
+      words[r] = load_words(wp + static_cast<int64_t>(r0 + r) * p.N);
+    }
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) dequant_word<T>(cols[c], scale[c], zero[c], w[c]);
+    for (int r = 0; r < kRowChunk; r += kWordsPerSum<M_TILE>) {
+      T2 sums[M_TILE][kCols];  // products of kWordsPerSum words, summed in T2 per lane
+#pragma unroll
+      for (int i = 0; i < kWordsPerSum<M_TILE>; ++i) {
+        const uint4 row = words[r + i];
+        const uint32_t cols[kCols] = {row.x, row.y, row.z, row.w};
+        T2 w[kCols][4];
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) dequant_word<T>(cols[c], scale[c], zero[c], w[c]);
+#pragma unroll
+        for (int m = 0; m < M_TILE; ++m) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(xb + m * span + (r0 + r + i) * 8);
+          T2 xv[4];
+          memcpy(xv, &raw, sizeof(raw));
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+            sums[m][c] = dot_word<T>(w[c], xv, i == 0 ? Pair<T>::make(0.0f, 0.0f) : sums[m][c]);
+          }
+        }
+      }
 #pragma unroll
       for (int m = 0; m < M_TILE; ++m) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(xb + m * span + (r0 + r) * 8);
-        T2 xv[4];
-        memcpy(xv, &raw, sizeof(raw));
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) acc[m][c] += dot_word<T>(w[c], xv);
+        for (int c = 0; c < kCols; ++c) acc[m][c] += fold<T>(sums[m][c]);
       }
     }
   }
@@ -322,7 +358,8 @@ __device__ inline void write_tile(const GemvParams<T>& p, const float* partial) 
     float v = partial[i];
     if (p.split > 1) {
       v = 0.0f;  // fixed split order: deterministic
-      for (int s = 0; s < p.split; ++s) v += __ldcg(p.workspace + s * static_cast<int64_t>(p.M) * p.N + at);
+      const int64_t plane = static_cast<int64_t>(p.M) * p.N;
+      for (int s = 0; s < p.split; ++s) v += __ldcg(p.workspace + s * plane + at);
     }
     if (p.bias != nullptr) v += Pair<T>::to_float(p.bias[n]);
     p.out[at] = Pair<T>::from_float(v);

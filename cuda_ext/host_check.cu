@@ -37,7 +37,8 @@ bool read_problem(const char* path, Problem& pr) {
   if (f == nullptr) return false;
   int header[8];
   bool ok = fread(header, sizeof(int), 8, f) == 8;
-  pr = Problem{header[0], header[1], header[2], header[3], header[4], header[5], header[6], header[7]};
+  pr = Problem{header[0], header[1], header[2], header[3],
+               header[4], header[5], header[6], header[7]};
   const size_t kp = (pr.K + kBlockK - 1) / kBlockK * kBlockK;
   const size_t table = static_cast<size_t>(pr.num_groups) * pr.N;
   ok = ok && read_into(f, pr.x, static_cast<size_t>(pr.M) * pr.K);
