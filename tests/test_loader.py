@@ -202,6 +202,11 @@ def test_mistral_sliding_window_is_rejected(tmp_path: Path) -> None:
         load_model_config(write_folder(tmp_path, raw))
 
 
+def test_llama_ignores_sliding_window_like_transformers(tmp_path: Path) -> None:
+    raw = with_changes(LLAMA2_4X, sliding_window=1024)
+    assert load_model_config(write_folder(tmp_path, raw)).max_position_embeddings == 4096
+
+
 def test_transformers_written_config_roundtrips(tmp_path: Path) -> None:
     """Whatever layout the installed transformers writes is read back to the same values."""
     transformers = pytest.importorskip("transformers")

@@ -79,7 +79,8 @@ def parse_model_config(
     _check_heads(num_heads, num_kv_heads, source)
     rope_theta, rope_scaling = _rope(reader)
     max_positions = reader.positive_int("max_position_embeddings")
-    _check_sliding_window(reader, max_positions)
+    if model_type == "mistral":  # transformers' Llama ignores sliding_window; Mistral honours it
+        _check_sliding_window(reader, max_positions)
     eos_ids = _merge_ids(_token_ids(raw.get("eos_token_id"), "eos_token_id", source), generation)
     return ModelConfig(
         architecture=architecture,
