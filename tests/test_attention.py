@@ -246,8 +246,8 @@ def test_decode_kernel_pads_odd_head_dim(backend, poison_empty) -> None:
 @pytest.mark.parametrize("name", ["torch", "triton"])
 def test_decode_empty_context_gives_zeros(backend, name: str) -> None:
     backend(name)
-    batch = make_batch([3, 1], 1, 16, 16, torch.float32)
-    seq_lens = torch.tensor([3, 0], dtype=torch.int32)
+    batch = make_batch([300, 1], 1, 16, 16, torch.float32)  # 300 tokens: two 256-key splits
+    seq_lens = torch.tensor([300, 0], dtype=torch.int32)
     for splits in (1, 2):
         out = attn.paged_decode_attention(
             torch.randn(2, 2, 16), batch.k_cache, batch.v_cache, batch.block_tables, seq_lens,
@@ -407,16 +407,101 @@ def test_triton_backend_runs_the_kernel(backend, monkeypatch: pytest.MonkeyPatch
     assert out.shape == (1, 1, 16)
 
 
-def test_num_splits_fill_the_sms(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_plan_follows_the_h200_sweep() -> None:
+    """The W4b cases of the 2026-11-29 sweep (132 SMs, 8 KV heads, 128-token tiles, page 16,
+    bounds = longest context rounded up): one split where one split was fastest; where 2 to
+    8 splits were all ~6% faster than one, a count in that range."""
+    from triton_kernels.paged_decode import choose_splits
+
+    assert choose_splits(256, 8, 1536, 128, 132)[0] == 1  # B=256, mean 1001
+    assert choose_splits(64, 32, 1536, 128, 132)[0] == 1  # MHA 32/32, B=64, mean 1001
+    assert choose_splits(64, 8, 896, 128, 132)[0] == 1  # B=64, mean 559
+    assert 2 <= choose_splits(64, 8, 3328, 128, 132)[0] <= 8  # B=64, mean 2191
+
+
+def test_split_plan_fills_the_sms_of_small_batches() -> None:
+    from triton_kernels.paged_decode import choose_splits
+
+    splits, chunk = choose_splits(1, 8, 4096, 128, 132)
+    assert splits * 8 >= 132 and splits * chunk >= 4096
+    assert choose_splits(4, 1, 100, 128, 132) == (1, 128)  # one tile: nothing to split
+    assert choose_splits(64, 8, 32768, 128, 1)[0] == 1  # one SM (the interpreter)
+
+
+@pytest.mark.parametrize(("block_size", "block_n"), [(16, 128), (64, 32), (256, 64), (48, 32)])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
+def test_split_chunks_cover_the_bound_on_tile_and_page_boundaries(
+    block_size: int, block_n: int, num_splits: int | None
+) -> None:
+    from triton_kernels.paged_decode import DecodeConfig, decode_plan
+
+    for bound in (1, 100, 1000, 4096, 20000):
+        cfg = DecodeConfig(block_n=block_n)
+        plan = decode_plan(4, 32, 8, 128, block_size, torch.bfloat16, bound, num_splits, cfg, 132)
+        assert plan.chunk_len % block_n == 0 and plan.chunk_len % block_size == 0
+        assert (plan.num_splits - 1) * plan.chunk_len < bound <= plan.num_splits * plan.chunk_len
+        assert plan.num_splits <= (num_splits or 64)
+        assert plan.grid == (4, 8, plan.num_splits)
+        assert plan.constants["SPLIT"] == (plan.num_splits > 1)
+
+
+def test_decode_plan_is_shared_by_nearby_bounds() -> None:
     from triton_kernels import paged_decode
 
-    monkeypatch.setattr(paged_decode, "_num_sms", lambda device: 132)
-    choose, cpu = paged_decode.choose_num_splits, torch.device("cpu")
-    assert choose(256, 8, 4096, cpu) == 1  # 2048 programs fill 132 SMs
-    assert choose(64, 8, 4096, cpu) == 2
-    assert choose(1, 8, 32768, cpu) == 32  # capped
-    assert choose(1, 8, 600, cpu) == 2  # splits of >= 256 tokens
-    assert choose(4, 1, 100, cpu) == 1
+    batch = make_batch([5, 9], 1, 16, 16, torch.float32)
+    q = torch.randn(2, 2, 16)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    plans = [
+        paged_decode.launch(*args, torch.empty_like(q), 1.0, max_seq_len=n) for n in (10, 11, 128)
+    ]
+    assert plans[0] is plans[1] is plans[2]  # one cached plan while the bound grows by steps
+
+
+def test_decode_bound_below_the_lengths_stays_exact(poison_empty) -> None:
+    """The last split takes every position past num_splits * chunk_len."""
+    from triton_kernels import paged_decode
+
+    batch = make_batch([1, 40, 300, 129], 2, 32, 16, torch.float32, seed=11)
+    q = torch.randn(4, 4, 32)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    out = torch.full_like(q, float("nan"))
+    cfg = paged_decode.DecodeConfig(block_n=16)
+    plan = paged_decode.launch(*args, out, 0.3, 3, cfg, max_seq_len=20)
+    assert (plan.num_splits, plan.chunk_len) == (3, 48)  # the bound is rounded up to 128
+    torch.testing.assert_close(out, attn.reference_decode_attention(*args, 0.3), **TOL[q.dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_over_shared_prefix_pages(backend, poison_empty, num_splits: int) -> None:
+    """Sequences whose block tables start with the same pages (a cached system prompt)."""
+    backend("triton")
+    prefix_pages = 17  # 272 tokens: with 4 splits wanted, 128-key splits, the last crossing
+    batch = make_batch([prefix_pages * 16, 30, 7, 16], 2, 64, 16, torch.float16, seed=4)
+    tables = torch.zeros(4, prefix_pages + 2, dtype=torch.int32)
+    tables[:, :prefix_pages] = batch.block_tables[0, :prefix_pages]  # the shared pages
+    tables[1:, prefix_pages:] = batch.block_tables[1:, :2]  # then each row's own pages
+    seq_lens = torch.tensor([272, 272 + 30, 272 + 7, 272 + 16], dtype=torch.int32)
+    q = torch.randn(4, 8, 64).to(torch.float16)
+    args = (q, batch.k_cache, batch.v_cache, tables, seq_lens, 0.125)
+    out = attn.paged_decode_attention(*args, num_splits=num_splits)
+    torch.testing.assert_close(out, attn.reference_decode_attention(*args), **TOL[q.dtype])
+
+
+def test_kernel_tiles_follow_the_shape() -> None:
+    from triton_kernels import paged_decode, paged_prefill
+    from triton_kernels.paged_prefill import PrefillConfig
+
+    assert paged_decode.default_config(128) == paged_decode.DecodeConfig(128, 4, 3)
+    assert paged_decode.default_config(64, torch.float16).block_n == 128
+    assert paged_decode.default_config(128, torch.float32) == paged_decode.DecodeConfig(64, 4, 2)
+    assert paged_decode.default_config(256, torch.float32).block_n == 32  # 2 stages in 128 KB
+    prefill = paged_prefill.default_config
+    assert prefill(128, 2048, 2048) == PrefillConfig(128, 64, 4, 3)  # 4 x 2048 new
+    assert prefill(128, 512, 512) == PrefillConfig(64, 32, 4, 3)  # 16 x 512 new
+    assert prefill(128, 512, 2048) == PrefillConfig(128, 64, 4, 3)  # 1536 cached + 512 new
+    assert prefill(128, 512) == PrefillConfig(64, 32, 4, 3)  # no bound: the queries' length
+    assert prefill(128, 16, 4096) == PrefillConfig(64, 64, 4, 3)  # short chunk, long context
+    assert prefill(256, 4096, 4096).block_m == 64
 
 
 def _decode_inputs(**changes: object) -> dict[str, object]:

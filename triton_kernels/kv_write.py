@@ -7,13 +7,15 @@ of a captured batch): nothing is written for it.
 
 Tensor layouts:
   k, v          [num_tokens, num_kv_heads, head_dim]
-  k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
+  k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim], same strides
   slot_mapping  [num_tokens] int64 (int32 accepted)
 
 No tunables beyond the padded tile; the copy is bound by memory and launch latency.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -33,12 +35,9 @@ def _kv_write_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
-    stride_kcb,
-    stride_kct,
-    stride_kch,
-    stride_vcb,
-    stride_vct,
-    stride_vch,
+    stride_cb,  # cache strides (k_cache and v_cache share them)
+    stride_ct,
+    stride_ch,
     # constexprs
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -62,31 +61,34 @@ def _kv_write_kernel(
     v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
 
     # -- store into page block_id, row offset ----------------------------------------------
-    kc = k_cache_ptr + block_id * stride_kcb + offset * stride_kct
-    vc = v_cache_ptr + block_id * stride_vcb + offset * stride_vct
-    tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
-    tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
+    dst = block_id * stride_cb + offset * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _constants(num_kv_heads: int, head_dim: int, block_size: int) -> dict[str, int]:
+    h_pad, d_pad = 1 << (num_kv_heads - 1).bit_length(), 1 << (head_dim - 1).bit_length()
+    return {
+        "NUM_KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim, "H_PAD": h_pad, "D_PAD": d_pad,
+        "BLOCK_SIZE": block_size, "num_warps": 4 if h_pad * d_pad <= 2048 else 8,
+    }  # fmt: skip
 
 
 def launch(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens]
+    v_cache: torch.Tensor,  # same shape and strides as k_cache
+    slot_mapping: torch.Tensor,  # [num_tokens], contiguous
 ) -> None:
     """Scatter k and v into the caches (in place)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    h_pad = triton.next_power_of_2(num_kv_heads)
-    d_pad = triton.next_power_of_2(head_dim)
     _kv_write_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad,
-        BLOCK_SIZE=k_cache.shape[1],
-        num_warps=4 if h_pad * d_pad <= 2048 else 8,
+        **_constants(num_kv_heads, head_dim, k_cache.shape[1]),
     )  # fmt: skip

@@ -1,30 +1,36 @@
 """Paged decode attention: one query token per sequence, K/V read through the block table.
 
 Algorithm (flash-decoding):
-  * one program per (sequence, kv_head, split). The GROUP query heads that share the KV head
-    are loaded together as a [GROUP_PAD, D_PAD] tile (GROUP_PAD >= 16 for tl.dot; padding
-    rows are zero and never stored), so each page is read once per KV head;
-  * the sequence's context is cut into `num_splits` equal ranges, rounded up to BLOCK_N
-    tokens, computed per sequence from its own seq_len on the device. A short sequence gets
-    short splits and some empty ones; the split count only changes speed, never the result;
+  * one program per (sequence, kv_head, split); the sequence index varies fastest, so the
+    programs in flight at once read the same key range of one KV head (a shared prefix's
+    pages are then read by many programs at about the same time and come from L2). The
+    GROUP query heads that share the KV head are loaded together as a [GROUP_PAD, D_PAD]
+    tile (GROUP_PAD >= 16 for tl.dot; padding rows are zero and never stored), so each
+    page is read once per KV head;
+  * split `s` covers the key positions [s * chunk_len, (s + 1) * chunk_len): the same range
+    for every sequence, a multiple of BLOCK_N and of the page size, so the splits of
+    sequences that share a prefix cover identical pages. The last split also takes every
+    position past the end (so a length bound that is too small costs speed, never
+    correctness); splits past a sequence's end exit at once;
   * each program walks its range in BLOCK_N-token tiles gathered through the block table
     (several pages per tile when block_size < BLOCK_N), with an fp32 online softmax;
-  * num_splits == 1: the program normalises and writes the output directly;
-    num_splits > 1: it writes a normalised partial output and its log2-sum-exp, and
-    `_paged_decode_reduce_kernel` merges the splits of each (sequence, head).
+  * one split: the program normalises and writes the output directly. Several: it writes a
+    normalised partial output and its log2-sum-exp, and `_paged_decode_reduce_kernel`
+    merges the cdiv(seq_len, chunk_len) non-empty splits of each (sequence, head).
 
 Tensor layouts:
   q          [num_seqs, num_heads, head_dim]          query head h uses kv head h // GROUP
   k/v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
-  block_tables [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32
-  out        [num_seqs, num_heads, head_dim]          q's dtype
-  part_out   [num_seqs, num_heads, num_splits, D_PAD] fp32 (split path only)
-  part_lse   [num_seqs, num_heads, num_splits]        fp32, -inf for an empty split
+  block_tables [num_seqs, max_blocks] int32 (last dim contiguous), seq_lens [num_seqs] int32
+  out        [num_seqs, num_heads, head_dim]          q's dtype, contiguous
+  part       fp32, split path only: partial outputs [num_seqs, num_heads, num_splits, D_PAD]
+             followed by their log2-sum-exps [num_seqs, num_heads, num_splits]
 
-Split count: `choose_num_splits` (shapes and a max_seq_len bound, never tensor values).
-Configs: no triton.autotune (its first-call benchmarking would run inside CUDA-graph capture
-and in the slow interpreter); `DecodeConfig` holds the tunables, `default_config` picks them
-from the shape, and bench/bench_attention.py sweeps them on the GPU.
+Launch plan: `decode_plan` derives the split count, chunk length, grid and compile-time
+constants from shapes and a max_seq_len bound (never tensor values), and is cached, so a
+call costs one dictionary lookup plus the launches. No triton.autotune: its first-call
+benchmarking would run inside CUDA-graph capture and in the slow interpreter;
+`default_config` picks the tiles and bench/bench_attention.py sweeps them on the GPU.
 
 A sequence with seq_len 0 (a padding row of a captured batch) gets an all-zero output.
 """
@@ -32,7 +38,9 @@ A sequence with seq_len 0 (a padding row of a captured batch) gets an all-zero o
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -41,40 +49,133 @@ import triton.language as tl
 from triton_kernels.paged_attention_common import attend_key_range
 
 LOG2E = 1.4426950408889634
-SPLIT_PROGRAMS_PER_SM = 4  # split the context until the grid has this many programs per SM
-MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more (q load, merge) than it hides
-MAX_SPLITS = 32
+MAX_SPLITS = 64
+SMEM_BUDGET = 128 * 1024  # shared memory for the K/V stages of a fallback config
+BOUND_BUCKET = 128  # length bounds are rounded up to this, so consecutive steps share a plan
+# Split cost model, in units of "one token of one KV head streamed by one SM", fitted to
+# the 2026-11-29 H200 sweep (bench/results/attention_20261129-215357.json):
+PROGRAM_COST_TOKENS = 48  # fixed cost of one more program: q load, pipeline fill, merge
+TAIL_FRACTION = 0.45  # share of the longest program's time that the last wave adds
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
     """Tunables of the decode kernel."""
 
-    block_n: int = 64  # tokens per K/V tile (power of two >= 16)
+    block_n: int = 128  # tokens per K/V tile (power of two >= 16)
     num_warps: int = 4  # warps per program
-    num_stages: int = 2  # software-pipelining depth of the tile loop (GPU only)
+    num_stages: int = 3  # software-pipelining depth of the tile loop (GPU only)
 
 
-def default_config(head_dim: int, block_size: int) -> DecodeConfig:
-    """Tile config for a cache shape; 64-token tiles keep ~32 KB of K/V in flight per stage."""
-    block_n = 64 if head_dim <= 128 else 32
-    return DecodeConfig(block_n=max(block_n, min(block_size, 128)), num_warps=4, num_stages=2)
+def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
+    """Tiles for a cache shape. 16-bit caches up to head_dim 128: 128-token tiles, 4 warps, 3
+    stages (best or within 1% of it on every unique-context case of the H200 sweep; its K/V
+    buffers take up to 192 KB of shared memory). Otherwise the widest tile whose two stages
+    of K/V fit in SMEM_BUDGET. Any tile works with any page size."""
+    if head_dim <= 128 and dtype != torch.float32:
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=3)
+    row_bytes = max(16, _next_pow2(head_dim)) * (4 if dtype == torch.float32 else 2)
+    block_n = 64
+    while block_n > 16 and 2 * 2 * block_n * row_bytes > SMEM_BUDGET:
+        block_n //= 2
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2)
 
 
-def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
-) -> int:
-    """Split count from shapes and a length bound: fill the SMs, keep splits long enough."""
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """Everything a decode launch needs that depends only on shapes and the length bound."""
+
+    num_splits: int  # programs per (sequence, kv head); 1: no partials, no reduce kernel
+    chunk_len: int  # key positions per split, a multiple of BLOCK_N and of the page size
+    grid: tuple[int, int, int]  # (num_seqs, num_kv_heads, num_splits)
+    constants: dict[str, Any]  # constexprs and launch options of the decode kernel
+    part_numel: int  # fp32 elements of the split scratch buffer (0 without splits)
+    reduce_constants: dict[str, Any]  # constexprs and launch options of the reduce kernel
+
+
+def choose_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, align: int, num_sms: int
+) -> tuple[int, int]:
+    """(num_splits, chunk_len) minimising a makespan model of the decode grid.
+
+    Time ~ work / SMs busy + TAIL_FRACTION * longest program, where work counts every
+    program's tokens (taken as `max_seq_len`, an upper bound) plus PROGRAM_COST_TOKENS per
+    program. More splits shorten the tail (the longest program) and fill the SMs of small
+    batches; each costs a program per (sequence, kv head). Only shapes are read.
+    """
+    longest = max(max_seq_len, 1)
     programs = max(num_seqs * num_kv_heads, 1)
-    wanted = -(-SPLIT_PROGRAMS_PER_SM * _num_sms(device) // programs)
-    by_length = max(max_seq_len // MIN_SPLIT_TOKENS, 1)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    best: tuple[float, int, int] | None = None
+    for wanted in range(1, MAX_SPLITS + 1):
+        chunk = _round_up(_cdiv(longest, wanted), align)
+        splits = _cdiv(longest, chunk)
+        if splits < wanted:
+            continue  # the same chunk as a smaller count
+        work = programs * (longest + PROGRAM_COST_TOKENS * splits)
+        cost = work / min(programs * splits, num_sms) + TAIL_FRACTION * chunk
+        if best is None or cost < best[0]:
+            best = (cost, splits, chunk)
+    assert best is not None  # wanted == 1 always qualifies
+    return best[1], best[2]
+
+
+@functools.lru_cache(maxsize=1024)
+def decode_plan(
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    num_splits: int | None,
+    config: DecodeConfig | None,
+    num_sms: int,
+) -> DecodePlan:
+    """The launch plan; `num_splits` forces the split count, `config` the tiles."""
+    cfg = config or default_config(head_dim, dtype)
+    align = math.lcm(cfg.block_n, block_size)  # splits start on a tile and a page boundary
+    bound = max(max_seq_len, 1)
+    if num_splits is None:
+        splits, chunk = choose_splits(num_seqs, num_kv_heads, bound, align, num_sms)
+    else:
+        chunk = _round_up(_cdiv(bound, num_splits), align)
+        splits = min(num_splits, _cdiv(bound, chunk))
+    group = num_heads // num_kv_heads
+    d_pad = max(16, _next_pow2(head_dim))
+    constants = {
+        "GROUP": group, "GROUP_PAD": max(16, _next_pow2(group)), "HEAD_DIM": head_dim,
+        "D_PAD": d_pad, "BLOCK_SIZE": block_size, "BLOCK_N": cfg.block_n, "SPLIT": splits > 1,
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+    }  # fmt: skip
+    splits_pad = _next_pow2(splits)
+    reduce_constants = {
+        "HEAD_DIM": head_dim, "D_PAD": d_pad, "SPLITS_PAD": splits_pad,
+        "num_warps": 4 if d_pad * splits_pad <= 4096 else 8,
+    }  # fmt: skip
+    part_numel = num_seqs * num_heads * splits * (d_pad + 1) if splits > 1 else 0
+    grid = (num_seqs, num_kv_heads, splits)
+    return DecodePlan(splits, chunk, grid, constants, part_numel, reduce_constants)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, multiple: int) -> int:
+    return _cdiv(a, multiple) * multiple
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; 1 on CPU (the interpreter runs programs in turn)."""
     if device.type != "cuda":
-        return 1  # interpreter: programs run one after another
+        return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
@@ -93,11 +194,10 @@ def _paged_decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
+    part_ptr,
     # sizes
     qk_scale,
-    num_splits,
+    chunk_len,
     # strides
     stride_qs,
     stride_qh,
@@ -105,13 +205,6 @@ def _paged_decode_kernel(
     stride_ct,
     stride_ch,
     stride_bts,
-    stride_os,
-    stride_oh,
-    stride_pos,
-    stride_poh,
-    stride_pop,
-    stride_pls,
-    stride_plh,
     # constexprs
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -125,12 +218,18 @@ def _paged_decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    # -- this program's token range: split `split` of the sequence's context -------------
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+
+    # -- this program's key range: split `split` of the common chunk grid ------------------
+    if SPLIT:
+        start = split * chunk_len
+        if start >= seq_len:
+            return  # past the sequence's end: the reduce kernel skips this split
+        last = split == tl.num_programs(2) - 1
+        end = tl.where(last, seq_len, tl.minimum(start + chunk_len, seq_len))
+    else:
+        start = 0
+        end = seq_len
 
     # -- the GROUP query heads of this kv head: [GROUP_PAD, D_PAD] -----------------------
     offs_g = tl.arange(0, GROUP_PAD)
@@ -157,15 +256,16 @@ def _paged_decode_kernel(
     # -- epilogue: normalised output (0 for an empty range) -----------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
+    num_heads = GROUP * tl.num_programs(1)
     if SPLIT:
+        # row of (seq, head, split) in the partials; the log2-sum-exps follow all rows
+        rows = (seq.to(tl.int64) * num_heads + heads) * tl.num_programs(2) + split
+        tl.store(part_ptr + rows[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
+        lse_base = tl.num_programs(0).to(tl.int64) * num_heads * tl.num_programs(2) * D_PAD
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        po_rows = part_out_ptr + seq.to(tl.int64) * stride_pos + heads * stride_poh
-        po_rows += split * stride_pop
-        tl.store(po_rows[:, None] + offs_d[None, :], o, mask=g_mask[:, None])
-        pl = part_lse_ptr + seq.to(tl.int64) * stride_pls + heads * stride_plh + split
-        tl.store(pl, lse, mask=g_mask)
+        tl.store(part_ptr + lse_base + rows, lse, mask=g_mask)
     else:
-        o_rows = out_ptr + seq.to(tl.int64) * stride_os + heads * stride_oh
+        o_rows = out_ptr + (seq.to(tl.int64) * num_heads + heads) * HEAD_DIM
         o_mask = g_mask[:, None] & d_mask[None, :]
         tl.store(o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -173,46 +273,43 @@ def _paged_decode_kernel(
 @triton.jit
 def _paged_decode_reduce_kernel(
     # pointers
-    part_out_ptr,
-    part_lse_ptr,
+    part_ptr,
+    seq_lens_ptr,
     out_ptr,
     # sizes
+    chunk_len,
     num_splits,
-    # strides
-    stride_pos,
-    stride_poh,
-    stride_pop,
-    stride_pls,
-    stride_plh,
-    stride_os,
-    stride_oh,
     # constexprs
-    SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    s_mask = offs_s < num_splits
 
-    # -- split weights: 2^(lse_s - max lse); empty splits (lse = -inf) weigh 0 ------------
-    pl = part_lse_ptr + seq.to(tl.int64) * stride_pls + head * stride_plh
-    lse = tl.load(pl + offs_s, mask=s_mask, other=float("-inf"))  # [SPLITS_PAD]
+    # -- the sequence's non-empty splits (none for seq_len 0: the output is 0) ------------
+    seq_len = tl.load(seq_lens_ptr + seq)
+    s_mask = offs_s < tl.minimum(tl.cdiv(seq_len, chunk_len), num_splits)
+    rows = (seq.to(tl.int64) * num_heads + head) * num_splits + offs_s  # [SPLITS_PAD]
+
+    # -- split weights 2^(lse_s - max lse) ------------------------------------------------
+    lse_base = tl.num_programs(0).to(tl.int64) * num_heads * num_splits * D_PAD
+    lse = tl.load(part_ptr + lse_base + rows, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - lse_max))
+    w = tl.exp2(lse - lse_max)  # 0 for masked splits
     denom = tl.sum(w, 0)
     denom = tl.where(denom == 0.0, 1.0, denom)
 
     # -- weighted sum of the normalised partial outputs: [SPLITS_PAD, D_PAD] -------------
-    po = part_out_ptr + seq.to(tl.int64) * stride_pos + head * stride_poh
     parts = tl.load(
-        po + offs_s[:, None] * stride_pop + offs_d[None, :], mask=s_mask[:, None], other=0.0
+        part_ptr + rows[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0
     )
     o = tl.sum(parts * w[:, None], 0) / denom
-    o_ptr = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d
+    o_ptr = out_ptr + (seq.to(tl.int64) * num_heads + head) * HEAD_DIM + offs_d
     tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
@@ -225,52 +322,41 @@ def launch(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim], last dim contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # same shape and strides as k_cache
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32
-    out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, last dim contiguous
+    seq_lens: torch.Tensor,  # [num_seqs] int32, contiguous
+    out: torch.Tensor,  # [num_seqs, num_heads, head_dim], contiguous, written
     scale: float,
-    num_splits: int,
+    num_splits: int | None = None,
     config: DecodeConfig | None = None,
-) -> None:
-    """Run the decode kernel (and the split reduction when num_splits > 1) into `out`."""
+    *,
+    max_seq_len: int | None = None,
+) -> DecodePlan:
+    """Run the decode kernel (and the split reduction when the plan splits) into `out`.
+
+    `max_seq_len` bounds seq_lens for the plan (default: the block-table capacity);
+    `num_splits` forces the split count (None: `choose_splits`). Returns the plan used.
+    """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    cfg = config or default_config(head_dim, block_size)
-    group = num_heads // num_kv_heads
-    d_pad = max(16, triton.next_power_of_2(head_dim))
-    split = num_splits > 1
-    if split:
-        part_out = torch.empty(
-            (num_seqs, num_heads, num_splits, d_pad), dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty(
-            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device
-        )
-    else:  # unused by the kernel; any fp32 tensors give it valid pointers and strides
-        part_out = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
-        part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, SPLIT=split,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+    bound = _round_up(max(bound, 1), BOUND_BUCKET)
+    plan = decode_plan(
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, q.dtype, bound, num_splits,
+        config, num_sms(q.device),
     )  # fmt: skip
-    if split:
+    assert out.is_contiguous() and out.shape == q.shape, "out must be a contiguous q-shaped tensor"
+    part = out  # unused without splits; any tensor gives the kernel a valid pointer
+    if plan.part_numel:
+        part = torch.empty(plan.part_numel, dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[plan.grid](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part,
+        scale * LOG2E, plan.chunk_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        **plan.constants,
+    )  # fmt: skip
+    if plan.num_splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out,
-            num_splits,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, D_PAD=d_pad,
-            num_warps=4 if d_pad * num_splits <= 4096 else 8,
-        )  # fmt: skip
+            part, seq_lens, out, plan.chunk_len, plan.num_splits, **plan.reduce_constants
+        )
+    return plan

@@ -17,17 +17,20 @@ Algorithm (flash attention, forward):
 Tensor layouts:
   q          [num_tokens, num_heads, head_dim]          query head h uses kv head h // GROUP
   k/v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
-  block_tables [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32,
+  block_tables [num_seqs, max_blocks] int32 (last dim contiguous), seq_lens [num_seqs] int32,
   query_start_loc [num_seqs + 1] int32
-  out        [num_tokens, num_heads, head_dim]          q's dtype
+  out        [num_tokens, num_heads, head_dim]          q's dtype, contiguous
 
 Requires seq_len >= q_len for every sequence (the launcher cannot check it without a host
-sync). Configs: see `PrefillConfig`; bench/bench_attention.py sweeps them.
+sync). Configs: `default_config` picks the tiles from the shape (cached per shape by
+`prefill_constants`); bench/bench_attention.py sweeps them.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -38,21 +41,32 @@ from triton_kernels.paged_attention_common import attend_key_range
 LOG2E = 1.4426950408889634
 
 
+SHORT_CONTEXT = 1024  # at most this many keys per sequence: small tiles pipeline better
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillConfig:
     """Tunables of the prefill kernel."""
 
     block_m: int = 128  # query tokens per program (power of two >= 16)
     block_n: int = 64  # keys per K/V tile (power of two >= 16)
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 3  # software-pipelining depth of the key loops (GPU only)
 
 
-def default_config(head_dim: int, max_query_len: int) -> PrefillConfig:
-    """Tile config from the shape: smaller query tiles for short queries and wide heads."""
-    if max_query_len <= 64 or head_dim > 128:
-        return PrefillConfig(block_m=64, block_n=64 if head_dim <= 128 else 32, num_warps=4)
-    return PrefillConfig()
+def default_config(
+    head_dim: int, max_query_len: int, max_seq_len: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> PrefillConfig:
+    """Tiles from the shape (H200 sweep of 2026-11-29, 4 warps, 3 stages): m128/n64 for long
+    contexts, m64/n32 when every context is short (`max_seq_len` bounds them; 0: unknown,
+    taken as `max_query_len`), 64-row query tiles for short queries and wide heads. fp32
+    (a test dtype) keeps 8 warps on 128-row tiles to hold its accumulator."""
+    context = max(max_seq_len, max_query_len)
+    if head_dim > 128 or context <= SHORT_CONTEXT:
+        return PrefillConfig(block_m=64, block_n=32)
+    if max_query_len <= 64:
+        return PrefillConfig(block_m=64, block_n=64)
+    return PrefillConfig(block_m=128, block_n=64, num_warps=8 if dtype == torch.float32 else 4)
 
 
 @triton.jit
@@ -74,8 +88,6 @@ def _paged_prefill_kernel(
     stride_ct,
     stride_ch,
     stride_bts,
-    stride_ot,
-    stride_oh,
     # constexprs
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -129,38 +141,61 @@ def _paged_prefill_kernel(
     # -- epilogue ----------------------------------------------------------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    o_ptrs = out_ptr + tok_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    o_rows = (tok_rows * tl.num_programs(0) + head) * HEAD_DIM  # out is contiguous
+    o_ptrs = out_ptr + o_rows[:, None] + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+@functools.lru_cache(maxsize=256)
+def prefill_constants(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    max_query_len: int,
+    max_seq_len: int,
+    config: PrefillConfig | None,
+) -> tuple[int, dict[str, Any]]:
+    """(BLOCK_M, constexprs and launch options) of a launch; cached per shape."""
+    cfg = config or default_config(head_dim, max_query_len, max_seq_len, dtype)
+    constants = {
+        "GROUP": num_heads // num_kv_heads, "HEAD_DIM": head_dim,
+        "D_PAD": max(16, 1 << (head_dim - 1).bit_length()), "BLOCK_SIZE": block_size,
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+    }  # fmt: skip
+    return cfg.block_m, constants
 
 
 def launch(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], last dim contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # same shape and strides as k_cache
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, last dim contiguous
+    seq_lens: torch.Tensor,  # [num_seqs] int32, contiguous
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, contiguous
     max_query_len: int,
-    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], contiguous, written
     scale: float,
     config: PrefillConfig | None = None,
+    *,
+    max_seq_len: int = 0,
 ) -> None:
-    """Run the prefill kernel into `out`."""
+    """Run the prefill kernel into `out`; `max_seq_len` (a bound, 0: unknown) picks tiles."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_seqs = seq_lens.shape[0]
-    cfg = config or default_config(head_dim, max_query_len)
-    num_m_tiles = triton.cdiv(max(max_query_len, 1), cfg.block_m)
-    _paged_prefill_kernel[(num_heads, num_m_tiles, num_seqs)](
+    block_m, constants = prefill_constants(
+        num_heads, num_kv_heads, head_dim, block_size, q.dtype, max_query_len, max_seq_len,
+        config,
+    )  # fmt: skip
+    assert out.is_contiguous() and out.shape == q.shape, "out must be a contiguous q-shaped tensor"
+    grid = (num_heads, -(-max(max_query_len, 1) // block_m), seq_lens.shape[0])
+    _paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **constants,
     )  # fmt: skip
