@@ -125,3 +125,19 @@ def test_cli_eval_ppl(tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     args = parser.parse_args(["eval-ppl", str(folder), "--text", str(tmp_path / "none.txt")])
     assert args.func(args) == 1
     assert "none.txt" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_perplexity_on_gpu_matches_cpu(tiny, tmp_path: Path) -> None:
+    from pagedq.gptq.quantizer import QuantizeOptions, quantize_model
+
+    folder = tiny[0]
+    kwargs = {"window": 32, "max_tokens": 60}
+    cpu = perplexity(folder, TEXT, **kwargs)
+    assert perplexity(folder, TEXT, device="cuda", **kwargs) == pytest.approx(cpu, rel=1e-3)
+    opts = QuantizeOptions(group_size=32, desc_act=True, samples=4, seq_len=32)
+    quantized = quantize_model(folder, tmp_path / "q", opts, progress=False)
+    cpu = perplexity(quantized, TEXT, **kwargs)
+    gpu = perplexity(quantized, TEXT, device="cuda", dtype=torch.float16, **kwargs)
+    assert gpu == pytest.approx(cpu, rel=2e-2)  # fp16 activations on the GPU vs fp32 on the CPU
