@@ -270,6 +270,8 @@ class Engine:
         seq.extra["text"] += delta
         reason = self._stop_reason(req, seq, token, len(delta))
         if reason is not None:
+            if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
+                seq.extra["text"] += seq.extra["detok"].flush()
             self.scheduler.finish(seq, reason)
 
     def _stop_reason(self, req: _Request, seq: Sequence, token: int, delta_len: int) -> str | None:
