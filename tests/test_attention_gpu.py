@@ -11,7 +11,7 @@ import torch
 
 from pagedq.ops import attention as attn
 from pagedq.ops.attention import AttentionMetadata
-from tests.test_attention import TOL, make_batch, naive_batch, query_start_loc
+from tests.test_attention import TOL, PagedBatch, make_batch, naive_batch, query_start_loc
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,6 +65,86 @@ def test_decode_block_sizes(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, num_splits: int
 ) -> None:
     check_decode(dtype, heads, kv_heads, head_dim, block_size, num_splits)
+
+
+def shared_prefix_batch(
+    prefix_len: int, own_lens: list[int], dtype: torch.dtype
+) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
+    """Pages of a prefix and of each sequence's own tokens; every table row starts with the
+    prefix pages (a cached system prompt). Returns the batch, the tables and the lengths."""
+    prefix_pages = prefix_len // 16
+    batch = make_batch([prefix_len, *own_lens], 8, 128, 16, dtype, device="cuda", seed=9)
+    own_pages = max(-(-n // 16) for n in own_lens)
+    tables = torch.zeros(len(own_lens), prefix_pages + own_pages, dtype=torch.int32)
+    tables[:, :prefix_pages] = batch.block_tables[0, :prefix_pages].cpu()
+    tables[:, prefix_pages:] = batch.block_tables[1:, :own_pages].cpu()
+    seq_lens = torch.tensor([prefix_len + n for n in own_lens], dtype=torch.int32)
+    return batch, tables.cuda(), seq_lens.cuda()
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_decode_shared_prefix_full_size(num_splits: int | None) -> None:
+    """The bench's shared case: 64 sequences on one 2048-token prefix, each with own tokens."""
+    own = ragged_lengths(16, 270, 64, seed=1)
+    batch, tables, seq_lens = shared_prefix_batch(2048, own, torch.bfloat16)
+    q = torch.randn(64, 32, 128, device="cuda").to(torch.bfloat16)
+    args = (q, batch.k_cache, batch.v_cache, tables, seq_lens, 128**-0.5)
+    out = attn.paged_decode_attention(*args, num_splits=num_splits, max_seq_len=2048 + 270)
+    torch.testing.assert_close(out, attn.reference_decode_attention(*args), **TOL[q.dtype])
+
+
+def test_decode_length_bound_below_the_lengths_is_still_exact() -> None:
+    """A bound far below the real lengths plans few splits; the last one takes the rest."""
+    lens = ragged_lengths(16, 4096, 24, seed=2)
+    batch = make_batch(lens, 8, 128, 16, torch.bfloat16, device="cuda")
+    q = torch.randn(len(lens), 32, 128, device="cuda").to(torch.bfloat16)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 128**-0.5)
+    for num_splits in (None, 8):
+        out = attn.paged_decode_attention(*args, num_splits=num_splits, max_seq_len=300)
+        torch.testing.assert_close(out, attn.reference_decode_attention(*args), **TOL[q.dtype])
+
+
+# the tiles bench/bench_attention.py sweeps: each must compile, fit and be exact
+DECODE_TILES = [(128, 4, 3), (128, 4, 2), (64, 2, 3), (64, 4, 3), (128, 8, 3), (64, 2, 2)]
+PREFILL_TILES = [
+    (128, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3),
+    (128, 64, 4, 4), (64, 32, 4, 4), (64, 32, 2, 3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("block_n", "num_warps", "num_stages"), DECODE_TILES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 128), (9, 3, 64)])
+def test_decode_swept_tiles(
+    block_n: int, num_warps: int, num_stages: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    from triton_kernels import paged_decode
+
+    lens = ragged_lengths(16, 3000, 16, seed=block_n + num_stages)
+    batch = make_batch(lens, kv_heads, head_dim, 16, torch.bfloat16, device="cuda")
+    q = torch.randn(len(lens), heads, head_dim, device="cuda").to(torch.bfloat16)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    expected = attn.reference_decode_attention(*args, head_dim**-0.5)
+    cfg = paged_decode.DecodeConfig(block_n, num_warps, num_stages)
+    for num_splits in (1, 5):
+        out = torch.full_like(q, float("nan"))
+        paged_decode.launch(*args, out, head_dim**-0.5, num_splits, cfg, max_seq_len=3000)
+        torch.testing.assert_close(out, expected, **TOL[q.dtype])
+
+
+@pytest.mark.parametrize(("block_m", "block_n", "num_warps", "num_stages"), PREFILL_TILES)
+def test_prefill_swept_tiles(block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+    from triton_kernels import paged_prefill
+
+    seq_lens, q_lens = [700, 1333, 129, 40], [700, 333, 128, 1]
+    batch = make_batch(seq_lens, 8, 128, 16, torch.bfloat16, device="cuda")
+    q = torch.randn(sum(q_lens), 32, 128, device="cuda").to(torch.bfloat16)
+    qsl = query_start_loc(q_lens, "cuda")
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, qsl)
+    out = torch.full_like(q, float("nan"))
+    cfg = paged_prefill.PrefillConfig(block_m, block_n, num_warps, num_stages)
+    paged_prefill.launch(*args, max(q_lens), out, 128**-0.5, cfg)
+    expected = attn.reference_prefill_attention(*args, 128**-0.5)
+    torch.testing.assert_close(out, expected, **TOL[q.dtype])
 
 
 def check_prefill(

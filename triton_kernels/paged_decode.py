@@ -348,11 +348,11 @@ def launch(
     part = out  # unused without splits; any tensor gives the kernel a valid pointer
     if plan.part_numel:
         part = torch.empty(plan.part_numel, dtype=torch.float32, device=q.device)
+    stride_q, stride_c = q.stride(), k_cache.stride()
     _paged_decode_kernel[plan.grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, part,
         scale * LOG2E, plan.chunk_len,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
+        stride_q[0], stride_q[1], stride_c[0], stride_c[1], stride_c[2], block_tables.stride(0),
         **plan.constants,
     )  # fmt: skip
     if plan.num_splits > 1:

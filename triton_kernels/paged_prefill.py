@@ -192,10 +192,10 @@ def launch(
     )  # fmt: skip
     assert out.is_contiguous() and out.shape == q.shape, "out must be a contiguous q-shaped tensor"
     grid = (num_heads, -(-max(max_query_len, 1) // block_m), seq_lens.shape[0])
+    stride_q, stride_c = q.stride(), k_cache.stride()
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
+        stride_q[0], stride_q[1], stride_c[0], stride_c[1], stride_c[2], block_tables.stride(0),
         **constants,
     )  # fmt: skip
