@@ -262,3 +262,24 @@ def test_triton_kernels_compile_for_sm90() -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == str(len(AOT_VARIANTS))
+
+
+@pytest.mark.parametrize("unpack", [0, 1])
+@pytest.mark.parametrize("m", [2, 20])
+def test_table_configs_unpack_variants_and_fixed_split(
+    unpack: int, m: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A per-shape TUNED entry wins over the M tables; both dequantizations and a fixed split
+    (more splits than blocks is clamped) give the reference result."""
+    ck = make_checkpoint(seed=9, k=384, n=48, group_size=64, zero_mode="v1", bias=True)
+    lin = GPTQLinear([ck.tensors], ck.config, torch.float32)
+    small = gptq_configs.KernelConfig(16, 32, 4, 2, split_k=8, unpack=unpack)
+    large = gptq_configs.KernelConfig(16, 16, 4, 2, split_k=2, unpack=unpack)
+    monkeypatch.setitem(gptq_configs.TUNED, ("small", 48, 384), ((16, small),))
+    monkeypatch.setitem(gptq_configs.TUNED, ("large", 48, 384), ((64, large),))
+    assert gptq_configs.pick_config(m <= 16, m, 48, 384) == (small if m <= 16 else large)
+    assert gptq_configs.split_for(small, 2, 3, 132, 1024) == (3, 1)
+    x = torch.randn(m, 384)
+    _assert_matches(_run(lin, x, monkeypatch), x, [ck])
+    packed, _ = lin.segment(0)
+    assert int(packed.locks.abs().sum()) == 0

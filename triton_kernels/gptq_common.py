@@ -56,7 +56,7 @@ def load_group_params(
     (the (p, r, h, n) order of `dequant_block`: row 32p + 2r + h)."""
     if SCALE_MODE == 0:
         # --- one group for the whole block: one [BLOCK_N] row
-        offs = (block * 128) // GROUP * stride_sg + offs_n
+        offs = tl.minimum((block * 128) // GROUP, NUM_GROUPS - 1) * stride_sg + offs_n
         s = tl.load(scales_ptr + offs, mask=n_mask, other=0.0)[None, None, None, :]
         if HAS_ZEROS:
             z = tl.load(zeros_ptr + offs, mask=n_mask, other=0.0)[None, None, None, :]
@@ -129,6 +129,27 @@ def dequant_block(words, s, z, APPLY_SCALE: tl.constexpr):
 
 
 @triton.jit
+def dequant_block_bcast(words, s, z, APPLY_SCALE: tl.constexpr):
+    """As `dequant_block`, one nibble per element by broadcasting shifts (no join/permute):
+    words [16, BLOCK_N] -> [4, 16, 2, BLOCK_N] (p, r, h, n) -> [128, BLOCK_N]."""
+    shifts = (tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 2)[None, :] * 16)[:, None, :, None]
+    nib = (words[None, :, None, :] >> shifts) & 0xF  # [4, 16, 2, BLOCK_N] int32, q
+    if s.dtype == tl.float16:
+        q = (nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q
+        zf = (z.to(tl.float32) + 1024.0).to(tl.float16)
+    elif s.dtype == tl.bfloat16:
+        q = (nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q
+        zf = (z.to(tl.float32) + 128.0).to(tl.bfloat16)
+    else:
+        q = (nib | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + q
+        zf = z.to(tl.float32) + 8388608.0
+    w = q - zf
+    if APPLY_SCALE:
+        w = w * s
+    return tl.reshape(w, (128, words.shape[1]))
+
+
+@triton.jit
 def accumulate_blocks(
     # pointers
     x_ptr,
@@ -154,6 +175,7 @@ def accumulate_blocks(
     BLOCK_N: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    UNPACK: tl.constexpr,  # 0: nibble pairs joined (`dequant_block`), 1: `dequant_block_bcast`
 ):
     """fp32 [BLOCK_M, BLOCK_N] partial product over the 128-row blocks [block_start, block_end)."""
     n_mask = offs_n < N
@@ -165,15 +187,25 @@ def accumulate_blocks(
     # [128, BLOCK_N] weights (and is exact); large tiles scale the weights instead
     POST_SCALE: tl.constexpr = SCALE_MODE == 0 and BLOCK_M <= 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # group parameters are fetched one block ahead: their load is off the loop's critical path
+    # (the pipeliner only prefetches the weight and activation tiles)
+    s_next, z_next = load_group_params(
+        scales_ptr, zeros_ptr, block_start, offs_n, n_mask, GROUP, NUM_GROUPS, stride_sg,
+        SCALE_MODE, HAS_ZEROS,
+    )  # fmt: skip
     for block in range(block_start, block_end):
         # --- weights: one [16, BLOCK_N] tile of packed words -> [128, BLOCK_N]
         w_offs = (block * 16 + offs_r)[:, None] * stride_qk + offs_n[None, :]
         words = tl.load(qweight_ptr + w_offs, mask=n_mask[None, :], other=0)
-        s, z = load_group_params(
-            scales_ptr, zeros_ptr, block, offs_n, n_mask, GROUP, NUM_GROUPS, stride_sg,
-            SCALE_MODE, HAS_ZEROS,
+        s, z = s_next, z_next
+        s_next, z_next = load_group_params(
+            scales_ptr, zeros_ptr, tl.minimum(block + 1, block_end - 1), offs_n, n_mask, GROUP,
+            NUM_GROUPS, stride_sg, SCALE_MODE, HAS_ZEROS,
         )  # fmt: skip
-        w = dequant_block(words, s, z, not POST_SCALE)
+        if UNPACK == 0:
+            w = dequant_block(words, s, z, not POST_SCALE)
+        else:
+            w = dequant_block_bcast(words, s, z, not POST_SCALE)
         # --- activations: contiguous [BLOCK_M, 128], zero past K (covers padded rows)
         k = block * 128 + offs_kb
         x_mask = m_mask[:, None] & (k < K)[None, :]
@@ -249,4 +281,10 @@ def store_output(
             tl.atomic_xchg(locks_ptr + tile, 0)
 
 
-__all__ = ["accumulate_blocks", "dequant_block", "load_group_params", "store_output"]
+__all__ = [
+    "accumulate_blocks",
+    "dequant_block",
+    "dequant_block_bcast",
+    "load_group_params",
+    "store_output",
+]

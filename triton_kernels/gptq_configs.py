@@ -1,8 +1,10 @@
 """Launch configurations of the GPTQ 4-bit kernels, chosen by shape (plain Python, no Triton).
 
 An explicit table instead of autotuning: the choice is deterministic, costs nothing per call and
-never benchmarks inside a CUDA-graph capture. Starting points for an H200; retune them from
-`bench/bench_gptq.py` (it times every path per M).
+never benchmarks inside a CUDA-graph capture. `pick_config(small, m, n, k)` is the one place a
+launch is chosen: first the per-layer-shape table `TUNED` (keyed by kind, N and K, with M
+buckets), then the generic tables by M. Retune with `bench/bench_gptq.py --sweep`: it times every
+config per Llama-2-7B layer shape at M = 1, 16, 64, 256 and prints the `TUNED` table to paste.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8  # row tiles sharing a column slab (GEMM tile order)
+    split_k: int = 0  # K splits; 0: chosen by `split_k` to fill SPLIT_K_WAVES waves
+    unpack: int = 0  # dequantization: 0 nibble pairs + join, 1 one nibble per element
 
 
 # (largest M, config) in increasing M; the last entry has no bound.
 SMALL_M_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
-    (16, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)),
+    (16, KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=4)),
 )
 LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (
     (32, KernelConfig(block_m=32, block_n=128, num_warps=4, num_stages=4)),
@@ -33,7 +37,14 @@ LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (
     (None, KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)),
 )
 
-SPLIT_K_WAVES = 2  # split K until the grid has about this many programs per SM
+# Per layer shape: (kind, N, K) -> ((largest M, config), ...) in increasing M, kind "small"
+# (split-K GEMV, M <= 16) or "large" (GEMM). Shapes or M past the last bucket use the tables
+# above. Filled from `bench/bench_gptq.py --sweep` on an H200 (Llama-2-7B fused projections).
+ConfigTable = tuple[tuple[int, KernelConfig], ...]
+TUNED: dict[tuple[str, int, int], ConfigTable] = {}
+
+SPLIT_K_WAVES = 4  # Triton: split K until the grid has about this many programs per SM
+CUDA_SPLIT_K_WAVES = 2  # the same for the CUDA GEMV (its measured setting)
 MAX_SPLIT_K = 16  # upper bound on split-K (partials cost workspace traffic)
 CUDA_MIN_BLOCKS_PER_CTA = 8  # CUDA GEMV: keep at least this many 128-row blocks per CTA
 CUDA_TILE_N = 32  # output columns per CTA of the CUDA GEMV (cuda_ext/gptq_gemv.cuh kTileN)
@@ -58,17 +69,43 @@ def large_m_config(m: int) -> KernelConfig:
     raise AssertionError("LARGE_M_CONFIGS must end with an unbounded entry")
 
 
-def split_k(
-    tiles: int, num_blocks: int, num_sms: int, max_tiles: int, min_blocks: int = 1
+def pick_config(small: bool, m: int, n: int, k: int) -> KernelConfig:
+    """The launch config for x [m, k] @ W^T [k, n]: the per-shape table, else the table by M."""
+    for max_m, cfg in TUNED.get(("small" if small else "large", n, k), ()):
+        if m <= max_m:
+            return cfg
+    return small_m_config(m) if small else large_m_config(m)
+
+
+def split_for(
+    cfg: KernelConfig, tiles: int, num_blocks: int, num_sms: int, max_tiles: int
 ) -> tuple[int, int]:
-    """(split, blocks_per_split) so that `tiles * split` fills about SPLIT_K_WAVES waves.
+    """(split, blocks_per_split): the config's fixed split (no empty split) or `split_k`'s."""
+    if cfg.split_k <= 0:
+        return split_k(tiles, num_blocks, num_sms, max_tiles)
+    if tiles > max_tiles or num_blocks <= 1:
+        return 1, num_blocks
+    per_split = -(-num_blocks // min(cfg.split_k, num_blocks))
+    return -(-num_blocks // per_split), per_split
+
+
+def split_k(
+    tiles: int,
+    num_blocks: int,
+    num_sms: int,
+    max_tiles: int,
+    min_blocks: int = 1,
+    waves: int | None = None,
+) -> tuple[int, int]:
+    """(split, blocks_per_split) so that `tiles * split` fills about `waves` (default
+    SPLIT_K_WAVES) programs per SM.
 
     Every split gets at least `min_blocks` 128-row blocks (when there are that many) and no split
     is empty. Split-K needs one lock per tile: with more than `max_tiles` tiles it is off.
     """
     if tiles > max_tiles or num_blocks <= 1:
         return 1, num_blocks
-    wanted = -(-SPLIT_K_WAVES * num_sms // tiles)
+    wanted = -(-(SPLIT_K_WAVES if waves is None else waves) * num_sms // tiles)
     split = max(1, min(wanted, MAX_SPLIT_K, num_blocks // max(min_blocks, 1)))
     per_split = -(-num_blocks // split)
     return -(-num_blocks // per_split), per_split
@@ -79,7 +116,9 @@ def cuda_split_k(
 ) -> tuple[int, int]:
     """split-K for the CUDA GEMV: as `split_k`, capped so the staged activations fit in smem."""
     tiles = -(-n // CUDA_TILE_N)
-    split, per_split = split_k(tiles, num_blocks, num_sms, max_tiles, CUDA_MIN_BLOCKS_PER_CTA)
+    split, per_split = split_k(
+        tiles, num_blocks, num_sms, max_tiles, CUDA_MIN_BLOCKS_PER_CTA, CUDA_SPLIT_K_WAVES
+    )
     max_per_split = max(1, CUDA_SMEM_BUDGET // (m_tile * BLOCK_K * 2))
     if per_split > max_per_split:
         assert tiles <= max_tiles, "the packed weight holds a split-K lock per CUDA column tile"

@@ -34,7 +34,7 @@ BACKEND_ENV = "PAGEDQ_GPTQ_BACKEND"
 BACKENDS = ("auto", "cuda", "triton", "torch")
 
 # Dispatch thresholds on M (rows of x), set from bench/bench_gptq.py on an H200.
-CUDA_EXT_MAX_M = 2  # auto: CUDA GEMV up to here (its products run on CUDA cores: tiny M only)
+CUDA_EXT_MAX_M = 1  # auto: CUDA GEMV up to here (H200: 2.50 ms vs 3.05 at M=2; Triton wins M>=2)
 SMALL_M_MAX_M = 16  # split-K GEMV (CUDA or Triton) up to here, tiled GEMM above
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
@@ -240,10 +240,12 @@ def _launch_triton(
     gemv_kernel, gemm_kernel = _triton_kernels(x.device)
     m, k = x.shape
     n = w.out_features
-    cfg = gptq_configs.small_m_config(m) if small else gptq_configs.large_m_config(m)
+    cfg = gptq_configs.pick_config(small, m, n, k)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     num_blocks = -(-k // BLOCK_K)
-    split, per_split = gptq_configs.split_k(tiles, num_blocks, _num_sms(x.device), w.locks.numel())
+    split, per_split = gptq_configs.split_for(
+        cfg, tiles, num_blocks, _num_sms(x.device), w.locks.numel()
+    )
     if split * m * n >= 2**31:  # workspace offsets are int32 in the kernel
         split, per_split = 1, num_blocks
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -257,7 +259,7 @@ def _launch_triton(
     meta: dict[str, Any] = {
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "USE_SPLIT_K": split > 1,
         "SCALE_MODE": _scale_mode(w), "HAS_ZEROS": w.zeros is not None,
-        "HAS_BIAS": bias is not None,
+        "HAS_BIAS": bias is not None, "UNPACK": cfg.unpack,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
     }  # fmt: skip
     if small:
