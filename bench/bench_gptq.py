@@ -12,15 +12,16 @@ Peers, same graph method: dense fp16 cuBLAS (12.95 GB of weights), aten
 Then the small-M paths alone (CUDA extension vs Triton GEMV, Triton GEMV vs GEMM) at
 M = 1..32, to set the dispatch thresholds in pagedq/ops/gptq.py.
 
-Run (about 3-4 minutes on an H200, including the CUDA extension build):
-    PYTHONPATH=. python3 bench/bench_gptq.py --out bench/results
+Run (about 3-4 minutes on an H200, including the CUDA extension build; --sweep adds about 2-3
+minutes: it times the Triton configs per layer shape at M = 1, 16, 64, 256, prints the
+`gptq_configs.TUNED` table and re-times the stack with it as `pagedq_tuned`):
+    PYTHONPATH=. python3 bench/bench_gptq.py --out bench/results --sweep
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import statistics
@@ -173,13 +174,24 @@ def tinygemm_stack(layers: list[tuple[torch.Tensor, torch.Tensor, int]], m: int)
     return run
 
 
-def marlin_layers() -> list[torch.nn.Module]:
-    from gptqmodel.nn_modules.qlinear.marlin import MarlinQuantLinear  # type: ignore[import-not-found]
+def marlin_class() -> tuple[Any, dict[str, Any]]:
+    """GPTQModel's Marlin linear (renamed MarlinLinear in 7.6) and the extra constructor kwargs."""
+    import inspect
 
+    from gptqmodel.nn_modules.qlinear import marlin  # type: ignore[import-not-found]
+
+    cls = getattr(marlin, "MarlinLinear", None) or marlin.MarlinQuantLinear
+    params = inspect.signature(cls.__init__).parameters
+    extra = {"register_buffers": True} if "register_buffers" in params else {}
+    return cls, extra
+
+
+def marlin_layers() -> list[torch.nn.Module]:
+    cls, extra = marlin_class()
     layers = []
     for _ in range(LAYERS):
         for _, k, n in SHAPES:
-            lin = MarlinQuantLinear(
+            lin = cls(
                 bits=4,
                 group_size=GROUP,
                 desc_act=False,
@@ -187,6 +199,7 @@ def marlin_layers() -> list[torch.nn.Module]:
                 in_features=k,
                 out_features=n,
                 bias=False,
+                **extra,
             )
             lin = lin.to("cuda")
             lin.qweight.data = torch.randint(
@@ -279,36 +292,6 @@ def small_m_sweep(
     return rows
 
 
-def config_sweep(
-    weights: list[PackedGPTQWeight], nbytes: int, repeats: int
-) -> list[dict[str, Any]]:
-    """Triton split-K GEMV over BLOCK_N x SPLIT_K_WAVES, to retune triton_kernels/gptq_configs."""
-    from triton_kernels import gptq_configs as cfgs
-
-    saved = (cfgs.SMALL_M_CONFIGS, cfgs.SPLIT_K_WAVES)
-    rows = []
-    try:
-        for m, block_n, waves, warps in itertools.product(
-            (1, 16), (32, 64, 128), (1, 2, 4), (4, 8)
-        ):
-            cfg = cfgs.KernelConfig(block_m=16, block_n=block_n, num_warps=warps, num_stages=3)
-            cfgs.SMALL_M_CONFIGS, cfgs.SPLIT_K_WAVES = ((16, cfg),), waves
-            call = lambda x, w: ops._launch_triton(x, w, None, small=True)
-            ms = time_ms(graphed(pagedq_stack(weights, m, call)), repeats)
-            rows.append(
-                {"m": m, "block_n": block_n, "waves": waves, "num_warps": warps, "graph_ms": ms}
-            )
-    finally:
-        cfgs.SMALL_M_CONFIGS, cfgs.SPLIT_K_WAVES = saved
-    for m in (1, 16):
-        best = min((r for r in rows if r["m"] == m), key=lambda r: r["graph_ms"])
-        print(
-            f"  config sweep M={m}: best {best} ({nbytes / best['graph_ms'] / 1e9:.2f} TB/s)",
-            flush=True,
-        )
-    return rows
-
-
 def run_peer(
     name: str, build: Callable[[], Any], results: dict[str, Any], fn: Callable[[Any], None]
 ) -> None:
@@ -331,7 +314,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--ms", type=str, default=",".join(map(str, MS)))
     parser.add_argument("--no-peers", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the Triton GEMV configs")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also sweep the Triton configs per layer shape (M=1, 16, 64, 256), print the TUNED "
+        "table and re-time the stack with it",
+    )
+    parser.add_argument("--sweep-repeats", type=int, default=10)
     args = parser.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     torch.manual_seed(0)
@@ -363,7 +352,18 @@ def main() -> None:
         )
     results["small_m"] = small_m_sweep(weights, nbytes, args.repeats)
     if args.sweep:
-        results["config_sweep"] = config_sweep(weights, nbytes, args.repeats)
+        from triton_kernels.gptq_tuning import sweep_and_apply
+
+        def timer(ws: list[PackedGPTQWeight], m: int, call: Callable[..., Any]) -> float:
+            return time_ms(graphed(pagedq_stack(ws, m, call)), args.sweep_repeats)
+
+        results["config_sweep"] = sweep_and_apply(timer, weights)
+        for m in ms:
+            results["rows"][str(m)]["pagedq_tuned"] = with_backend(
+                "auto", lambda m=m: measure(pagedq_stack(weights, m), nbytes, args.repeats)
+            )
+            tuned = results["rows"][str(m)]["pagedq_tuned"]["graph_ms"]
+            print(f"  M={m}: pagedq with the swept table {tuned:.3f} ms", flush=True)
     results["max_rel_error"] = accuracy(weights, ms)
     print(
         "  accuracy vs reference: "

@@ -283,3 +283,29 @@ def test_table_configs_unpack_variants_and_fixed_split(
     _assert_matches(_run(lin, x, monkeypatch), x, [ck])
     packed, _ = lin.segment(0)
     assert int(packed.locks.abs().sum()) == 0
+
+
+def test_tuning_sweep_installs_and_prints_the_best_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep logic with a fake timer (no kernels run): winners land in TUNED, the printed
+    table is valid Python naming them, and failing configs are skipped."""
+    from types import SimpleNamespace
+
+    from triton_kernels import gptq_tuning
+
+    monkeypatch.setattr(gptq_configs, "TUNED", {})
+    weights = [SimpleNamespace(out_features=96, in_features=256) for _ in range(2)]
+
+    def timer(ws: list, m: int, call: object) -> float:  # type: ignore[type-arg]
+        cfg = gptq_configs.TUNED[("small" if m <= 16 else "large", 96, 256)][0][1]
+        if cfg.block_n == 256:
+            raise RuntimeError("out of shared memory")
+        return cfg.block_n + cfg.split_k + cfg.unpack + m
+
+    result = gptq_tuning.sweep_and_apply(timer, weights)
+    small = gptq_configs.TUNED[("small", 96, 256)]
+    assert [bound for bound, _ in small] == [1, 16]
+    assert small[0][1].block_n == 64 and small[0][1].split_k == 2 and small[0][1].unpack == 0
+    assert [bound for bound, _ in gptq_configs.TUNED[("large", 96, 256)]] == [64, 1 << 30]
+    namespace = {"KernelConfig": gptq_configs.KernelConfig, "ConfigTable": tuple}
+    exec(result["table"], namespace)  # noqa: S102 - the printed table is pasteable Python
+    assert namespace["TUNED"] == gptq_configs.TUNED
