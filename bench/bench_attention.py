@@ -7,12 +7,13 @@ every sequence the same 2,048-token prefix pages plus its own tokens.
 
 Timing, L2 flushed before every repeat: "eager" is do_bench of the Python call (host overhead
 included wherever the host is slower than the GPU); "device" replays the call captured in a
-CUDA graph (kernels alone). Decode TB/s = (K/V bytes needed, a shared prefix once, + q + out)
-/ device time; prefill TFLOP/s counts the causal QK^T and PV FLOPs. Peers: SDPA on contiguous
-copies; flashinfer's BatchDecodeWithPagedKVCacheWrapper (NHD, planned outside the timing, the
-faster of its CUDA-core and tensor-core variants). pagedq runs through its public op
-(heuristic plan), then its kernels are swept over tiles x split counts (device time, with
-each compiled variant's shared memory and registers).
+CUDA graph (kernels alone); "host" is the CPU time of one call, GPU work aside. Decode TB/s =
+(K/V bytes needed, a shared prefix once, + q + out) / device time; prefill TFLOP/s counts the
+causal QK^T and PV FLOPs. Peers: SDPA on contiguous copies; flashinfer's
+BatchDecodeWithPagedKVCacheWrapper (NHD, planned outside the timing, the faster of its
+CUDA-core and tensor-core variants). pagedq runs through its public op (heuristic plan), then
+its kernels are swept over tiles x split counts (device time, and each compiled variant's
+shared memory and registers).
 
 Run (1-3 minutes on an H200, flashinfer JIT aside):
     PYTHONPATH=. python3 bench/bench_attention.py --out bench/results
@@ -105,6 +106,19 @@ def eager_us(fn: Callable[[], object]) -> Timing:
         return float(do_bench(fn, warmup=10, rep=40, return_mode="median")) * 1e3
     except Exception as exc:  # a config that does not fit, a peer that cannot run
         return _failed(exc)
+
+
+def host_us(fn: Callable[[], object], calls: int = 100) -> float:
+    """Host time of one call: `calls` calls enqueued back to back (fewer launches than the
+    GPU queue holds, so none waits for the GPU)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 _FLUSH: list[torch.Tensor] = []
@@ -263,6 +277,8 @@ def bench_decode_case(case: DecodeCase, gen: torch.Generator) -> dict:
     plan = paged_decode.launch(*args, scratch, scale, max_seq_len=max_len)
     row["auto"] = f"split{plan.num_splits}/chunk{plan.chunk_len}"
     row["pagedq_us"], row["pagedq_device_us"] = eager_us(public), device_us(public)
+    launch = lambda: paged_decode.launch(*args, scratch, scale, max_seq_len=max_len)
+    row["pagedq_host_us"], row["launch_host_us"] = host_us(public), host_us(launch)
 
     # -- sweep: tile configs x split counts, device time --------------------------------
     sweep: dict[str, Timing] = {}
@@ -390,6 +406,7 @@ def _fmt(x: object, digits: int = 1) -> str:
 DECODE_COLUMNS = [  # (header, row key, digits)
     ("case", "name", 0), ("pagedq eager", "pagedq_us", 1),
     ("pagedq device", "pagedq_device_us", 1), ("TB/s", "pagedq_device_tbs", 2),
+    ("pagedq host", "pagedq_host_us", 1),
     ("plan", "auto", 0), ("best swept device", "best_device_us", 1), ("config", "best", 0),
     ("flashinfer eager", "flashinfer_us", 1), ("flashinfer device", "flashinfer_device_us", 1),
     ("TB/s", "flashinfer_device_tbs", 2), ("target", "target_us", 1),
