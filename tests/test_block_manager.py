@@ -439,7 +439,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._saved_hash = bm_module.hash_block
         if self.hash_fn is not None:
             bm_module.hash_block = self.hash_fn
-        self.live: list[Sequence] = []
+        self.live: list[Sequence] = []  # sequences holding blocks
+        self.freed: list[Sequence] = []  # freed (preempted) ones that may come back
         self.next_id = 0
 
     def teardown(self) -> None:
@@ -475,11 +476,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.cache_full_blocks(seq)
         return True
 
-    @rule(tokens=TOKENS, chunk=st.integers(1, 10), early=st.booleans())
-    def add(self, tokens: list[int], chunk: int, early: bool) -> None:
-        seq = self._new_seq(tokens)
+    def _admit(self, seq: Sequence, chunk: int, early: bool) -> None:
+        """Prefix lookup (every hit must hold exactly this sequence's prefix), then a chunk."""
         hits = self.bm.match_prefix(seq)
-        bs = self.bm.block_size
+        bs, tokens = self.bm.block_size, seq.token_ids
         assert len(hits) * bs < seq.num_tokens  # the cap: at least one token to compute
         for i, block_id in enumerate(hits):
             block = self.bm.blocks[block_id]
@@ -492,6 +492,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_new = min(chunk, seq.num_tokens - len(hits) * bs)
         if self._run(seq, num_new, early, hits):
             self.live.append(seq)
+        elif seq not in self.freed:
+            self.freed.append(seq)
+
+    @rule(tokens=TOKENS, chunk=st.integers(1, 10), early=st.booleans())
+    def add(self, tokens: list[int], chunk: int, early: bool) -> None:
+        self._admit(self._new_seq(tokens), chunk, early)
+
+    @precondition(lambda self: self.freed)
+    @rule(i=st.integers(0, 99), chunk=st.integers(1, 10), early=st.booleans())
+    def readmit(self, i: int, chunk: int, early: bool) -> None:
+        """A preempted sequence comes back, with its tokens and hashes so far."""
+        seq = self.freed.pop(i % len(self.freed))
+        self._admit(seq, chunk, early)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 99), tokens=TOKENS)
@@ -520,6 +533,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.free(seq)
         self.live.remove(seq)
         assert seq.block_table == [] and seq.num_computed_tokens == 0
+        self.freed.append(seq)
 
     @invariant()
     def pool_is_consistent(self) -> None:
