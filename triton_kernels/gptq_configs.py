@@ -41,7 +41,121 @@ LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (
 # (split-K GEMV, M <= 16) or "large" (GEMM). Shapes or M past the last bucket use the tables
 # above. Filled from `bench/bench_gptq.py --sweep` on an H200 (Llama-2-7B fused projections).
 ConfigTable = tuple[tuple[int, KernelConfig], ...]
-TUNED: dict[tuple[str, int, int], ConfigTable] = {}
+# Swept on an NVIDIA H200 (2026-11-29, torch 2.11, triton 3.6) by bench/bench_gptq.py --sweep.
+TUNED: dict[tuple[str, int, int], ConfigTable] = {
+    ("small", 12288, 4096): (
+        (
+            1,
+            KernelConfig(
+                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=4, unpack=0
+            ),
+        ),
+        (
+            16,
+            KernelConfig(
+                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=2, unpack=0
+            ),
+        ),
+    ),
+    ("large", 12288, 4096): (
+        (
+            64,
+            KernelConfig(
+                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
+            ),
+        ),
+        (
+            1073741824,
+            KernelConfig(
+                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
+            ),
+        ),
+    ),
+    ("small", 4096, 4096): (
+        (
+            1,
+            KernelConfig(
+                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=4, unpack=0
+            ),
+        ),
+        (
+            16,
+            KernelConfig(
+                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=4, unpack=0
+            ),
+        ),
+    ),
+    ("large", 4096, 4096): (
+        (
+            64,
+            KernelConfig(
+                block_m=64, block_n=128, num_warps=8, num_stages=3, group_m=8, split_k=0, unpack=1
+            ),
+        ),
+        (
+            1073741824,
+            KernelConfig(
+                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
+            ),
+        ),
+    ),
+    ("small", 22016, 4096): (
+        (
+            1,
+            KernelConfig(
+                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=4, unpack=0
+            ),
+        ),
+        (
+            16,
+            KernelConfig(
+                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=4, unpack=0
+            ),
+        ),
+    ),
+    ("large", 22016, 4096): (
+        (
+            64,
+            KernelConfig(
+                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
+            ),
+        ),
+        (
+            1073741824,
+            KernelConfig(
+                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
+            ),
+        ),
+    ),
+    ("small", 4096, 11008): (
+        (
+            1,
+            KernelConfig(
+                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=8, unpack=0
+            ),
+        ),
+        (
+            16,
+            KernelConfig(
+                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=8, unpack=0
+            ),
+        ),
+    ),
+    ("large", 4096, 11008): (
+        (
+            64,
+            KernelConfig(
+                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
+            ),
+        ),
+        (
+            1073741824,
+            KernelConfig(
+                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
+            ),
+        ),
+    ),
+}
 
 SPLIT_K_WAVES = 4  # Triton: split K until the grid has about this many programs per SM
 CUDA_SPLIT_K_WAVES = 2  # the same for the CUDA GEMV (its measured setting)
