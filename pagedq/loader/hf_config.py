@@ -53,14 +53,14 @@ def load_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     return parse_model_config(raw, generation, source=str(config_path))
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """Parse a JSON object file; anything else is a ModelLoadError naming the file."""
+def read_json(path: Path, error: type[ModelLoadError] = ModelLoadError) -> dict[str, Any]:
+    """Parse a JSON object file; anything else raises `error` naming the file."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {str(path)!r} as JSON: {exc}") from exc
+        raise error(f"cannot read {str(path)!r} as JSON: {exc}") from exc
     if not isinstance(data, dict):
-        raise ModelLoadError(f"{str(path)!r} must hold a JSON object, got {type(data).__name__}")
+        raise error(f"{str(path)!r} must hold a JSON object, got {type(data).__name__}")
     return data
 
 

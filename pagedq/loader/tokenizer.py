@@ -11,7 +11,6 @@ there; pagedq runs the file as written, as transformers 4 and the `tokenizers` l
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +21,7 @@ import tokenizers
 
 from pagedq.errors import InvalidRequestError, TokenizerError
 from pagedq.loader.chat_template import compile_template, find_chat_template, render_template
+from pagedq.loader.hf_config import read_json
 from pagedq.loader.spm_backend import REPLACEMENT_CHAR, AddedTokenSpec, SentencePieceBackend
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -216,15 +216,8 @@ class _TokenizersBackend:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"cannot read {str(path)!r} as JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{str(path)!r} must hold a JSON object")
-    return data
+    """A JSON object file, or {} when the optional file is absent."""
+    return read_json(path, TokenizerError) if path.is_file() else {}
 
 
 def _token_content(value: Any) -> str | None:
