@@ -110,7 +110,7 @@ class BatchSummary:
         state = " (interrupted)" if r.interrupted else ""
         lines = [f"pagedq batch{state}: {self.input} -> {self.output}"]
         if r.rows == r.errors == 0 and not r.interrupted:
-            lines.append(_row("rows", f"nothing to do: all {r.skipped:,} are in the output"))
+            lines.append(_row("rows", f"nothing to do: all {r.skipped:,} rows are in the output"))
             return "\n".join(lines)
         lines += [_row(label, value) for label, value in _run_rows(r, self.load_s)]
         if self.comparison is not None:

@@ -82,7 +82,7 @@ BATCH_DESCRIPTION = """\
 Run many prompts that share one system prompt, one answer each, written to a JSONL file as
 they finish. Run the same command again after a crash, Ctrl-C or kill -9: rows already in
 the output are skipped (error rows too: delete them from the output to retry them). With no
---input, runs the bundled example: 250 product reviews classified by one shared rules prompt."""
+--input, runs the bundled example: 200 product reviews classified by one shared rules prompt."""
 
 
 def add_batch_parser(subparsers: SubParsers) -> None:
