@@ -77,6 +77,9 @@ def test_gptq_model_greedy_matches_transformers_on_dequantized_weights(
         assert_agrees(got.token_ids, got.logprobs, ref, ref_lp)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU tensors run Triton interpreted only without CUDA"
+)
 def test_gptq_engine_on_triton_interpreter_matches_torch_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
