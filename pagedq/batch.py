@@ -50,7 +50,8 @@ from pagedq.sampling_params import SamplingParams
 DATA_DIR = Path(__file__).parent / "data"
 BUNDLED_INPUT = DATA_DIR / "reviews.jsonl"  # the bundled example: short product reviews
 BUNDLED_RULES = DATA_DIR / "rules.txt"  # its shared system prompt: the classification rules
-EXAMPLE_MAX_TOKENS = 8  # the example's answer is one label
+EXAMPLE_MAX_TOKENS = 8  # the example's answer is one label on one line
+EXAMPLE_STOP = ("\n",)
 DEFAULT_MAX_TOKENS = 128
 
 
@@ -133,9 +134,11 @@ def run_batch(
     return summary
 
 
-def default_max_tokens(bundled: bool) -> int:
-    """New tokens per row when none is given: one label for the bundled example."""
-    return EXAMPLE_MAX_TOKENS if bundled else DEFAULT_MAX_TOKENS
+def default_params(bundled: bool) -> SamplingParams:
+    """Greedy, 128 new tokens; the bundled example: one label, ended by a newline."""
+    if bundled:
+        return SamplingParams(temperature=0.0, max_tokens=EXAMPLE_MAX_TOKENS, stop=EXAMPLE_STOP)
+    return SamplingParams(temperature=0.0, max_tokens=DEFAULT_MAX_TOKENS)
 
 
 # --- the job ---------------------------------------------------------------------------------
@@ -155,9 +158,7 @@ def _resolve_job(
     out_path = _output_path(path, input is None, output)
     if out_path.exists() and out_path.resolve() == path.resolve():
         raise BatchFileError(f"the output {str(out_path)!r} is the input file")
-    params = opts.params or SamplingParams(
-        temperature=0.0, max_tokens=default_max_tokens(bundled=input is None)
-    )
+    params = opts.params or default_params(bundled=input is None)
     label = "bundled example" if input is None else str(path)
     fmt = detect_format(path, opts.input_format)
     return _Job(path, label, fmt, out_path, system, params)

@@ -7,6 +7,7 @@ command, so `pagedq batch` and `pagedq --help` never depend on that module.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -119,14 +120,18 @@ def _add_sampling_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--max-tokens", type=int, metavar="N", help="new tokens per row (default 128; example: 8)"
     )
-    group.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)"
-    )
-    group.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default 1.0")
+    group.add_argument("--temperature", type=float, metavar="T", help="default 0: greedy")
+    group.add_argument("--top-p", type=float, metavar="P", help="default 1.0")
     group.add_argument(
         "--seed", type=int, metavar="S", help="per-row sampling seed (same output on resume)"
     )
-    group.add_argument("--stop", nargs="+", action="extend", metavar="STR", help="stop strings")
+    group.add_argument(
+        "--stop",
+        nargs="+",
+        action="extend",
+        metavar="STR",
+        help="stop strings (the example stops at a newline)",
+    )
 
 
 def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
@@ -178,19 +183,17 @@ def run_batch_command(args: argparse.Namespace) -> int:
 
 def batch_options(args: argparse.Namespace) -> BatchOptions:
     """The `BatchOptions` of parsed `batch` flags (raises the typed errors of bad values)."""
-    from pagedq.batch import BatchOptions, default_max_tokens
-    from pagedq.sampling_params import SamplingParams
+    from pagedq.batch import BatchOptions, default_params
 
-    max_tokens = args.max_tokens
-    if max_tokens is None:
-        max_tokens = default_max_tokens(bundled=args.input is None)
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        max_tokens=max_tokens,
-        stop=args.stop,
-    )
+    given = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+        "stop": args.stop,
+    }
+    defaults = default_params(bundled=args.input is None)
+    params = dataclasses.replace(defaults, **{k: v for k, v in given.items() if v is not None})
     system = args.system
     if args.system_file is not None:
         system = Path(args.system_file).read_text(encoding="utf-8")
