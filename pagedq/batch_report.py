@@ -203,7 +203,7 @@ def _comparison_rows(r: RunStats, c: StaticComparison) -> list[tuple[str, str]]:
         (
             "paged / static",
             f"{_times(r.tokens_per_s(), s.tokens_per_s())} the throughput, "
-            f"{_times(r.peak_kv_blocks, s.peak_kv_blocks)} the peak KV; "
+            f"{_times(s.peak_kv_blocks, r.peak_kv_blocks)} less peak KV; "
             f"identical outputs {c.identical:,}/{c.compared:,}",
         ),
     ]
