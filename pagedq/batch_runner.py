@@ -70,8 +70,9 @@ class Runner:
     """Feeds rows to one engine and reports each through `sink` once it is done.
 
     Invariants: at most `window` (2 x max_num_seqs) requests are in the engine; every row taken
-    from the input is reported exactly once (finished, or as an error row), except rows in
-    flight when Ctrl-C aborts them, which are not reported at all (a rerun does them). With
+    from the input that `done` does not hold is reported exactly once (finished, or as an error
+    row), except rows in flight when Ctrl-C aborts them, which are not reported at all (a rerun
+    does them). With
     prefix caching on, the first request runs alone until its prompt is computed, so every
     later row finds the shared prefix in the cache.
     """

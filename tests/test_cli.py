@@ -83,15 +83,18 @@ def test_sigkill_mid_run_then_resume_gives_every_row_exactly_once(
     good, bad = write_input(src, 400, bad_every=37)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "pagedq", *batch_args(tiny, src, out, "--max-num-seqs", "4")]
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while count_lines(out) < 30 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    with (tmp_path / "stderr.txt").open("w") as err:
+        proc = subprocess.Popen(
+            command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while count_lines(out) < 30 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()
     written = count_lines(out)
     assert 30 <= written < len(good) + len(bad)  # killed mid-run
 
