@@ -192,9 +192,6 @@ class DoneRows:
     ids: set[str] = field(default_factory=set)  # id_key of every finished row
     error_lines: set[int] = field(default_factory=set)  # input line of every error row
 
-    def __len__(self) -> int:
-        return len(self.ids) + len(self.error_lines)
-
     def has(self, row: InputRow | BadRow) -> bool:
         if row.line in self.error_lines:
             return True
