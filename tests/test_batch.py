@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from pagedq.batch import BUNDLED_INPUT, BUNDLED_RULES, BatchOptions, run_batch
 from pagedq.batch_io import (
@@ -48,13 +46,7 @@ WORDS = [
 ROW_FIELDS = {"id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # Tiny tensors: one thread avoids OpenMP thrashing when the machine is busy.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

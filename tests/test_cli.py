@@ -10,12 +10,10 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from pagedq import cli
 from pagedq.engine.llm_engine import Engine
@@ -25,13 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "Paged attention stores keys and values in fixed-size blocks. The quick brown fox."
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # Tiny tensors: one thread avoids OpenMP thrashing when the machine is busy.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,13 +15,7 @@ from pagedq.eval_ppl import perplexity, token_perplexity
 TEXT = "The ferry crossed the river twice a day, and the ferryman counted every child. " * 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # Tiny tensors: one thread avoids OpenMP thrashing when the machine is busy.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
