@@ -16,7 +16,11 @@ Algorithm (flash-decoding):
     (several pages per tile when block_size < BLOCK_N), with an fp32 online softmax;
   * one split: the program normalises and writes the output directly. Several: it writes a
     normalised partial output and its log2-sum-exp, and `_paged_decode_reduce_kernel`
-    merges the cdiv(seq_len, chunk_len) non-empty splits of each (sequence, head).
+    merges the cdiv(seq_len, chunk_len) non-empty splits of each (sequence, head);
+  * cascade (triton_kernels/paged_cascade.py): the same kernels cover only each sequence's
+    own positions >= `start_pos` (the end of a shared prefix) and write their partials after
+    `split_offset` prefix splits; the reduce merges the prefix splits and the own splits.
+    Plain decode passes start_pos 0 and split_offset 0.
 
 Tensor layouts:
   q          [num_seqs, num_heads, head_dim]          query head h uses kv head h // GROUP
@@ -198,6 +202,8 @@ def _paged_decode_kernel(
     # sizes
     qk_scale,
     chunk_len,
+    start_pos,  # first key position (0; a cascade's shared prefix length)
+    split_offset,  # partial rows of other kernels before this one's (0; cascade: prefix splits)
     # strides
     stride_qs,
     stride_qh,
@@ -222,7 +228,7 @@ def _paged_decode_kernel(
 
     # -- this program's key range: split `split` of the common chunk grid ------------------
     if SPLIT:
-        start = split * chunk_len
+        start = start_pos + split * chunk_len
         if start >= seq_len:
             return  # past the sequence's end: the reduce kernel skips this split
         last = split == tl.num_programs(2) - 1
@@ -259,9 +265,10 @@ def _paged_decode_kernel(
     num_heads = GROUP * tl.num_programs(1)
     if SPLIT:
         # row of (seq, head, split) in the partials; the log2-sum-exps follow all rows
-        rows = (seq.to(tl.int64) * num_heads + heads) * tl.num_programs(2) + split
+        part_splits = split_offset + tl.num_programs(2)
+        rows = (seq.to(tl.int64) * num_heads + heads) * part_splits + split_offset + split
         tl.store(part_ptr + rows[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
-        lse_base = tl.num_programs(0).to(tl.int64) * num_heads * tl.num_programs(2) * D_PAD
+        lse_base = tl.num_programs(0).to(tl.int64) * num_heads * part_splits * D_PAD
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_ptr + lse_base + rows, lse, mask=g_mask)
     else:
@@ -278,7 +285,9 @@ def _paged_decode_reduce_kernel(
     out_ptr,
     # sizes
     chunk_len,
-    num_splits,
+    num_splits,  # partial rows per (sequence, head)
+    num_prefix_splits,  # the first rows: a cascade's prefix partials, always written (else 0)
+    own_start,  # first position the other splits cover (0; a cascade's prefix length)
     # constexprs
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -292,7 +301,9 @@ def _paged_decode_reduce_kernel(
 
     # -- the sequence's non-empty splits (none for seq_len 0: the output is 0) ------------
     seq_len = tl.load(seq_lens_ptr + seq)
-    s_mask = offs_s < tl.minimum(tl.cdiv(seq_len, chunk_len), num_splits)
+    own_len = tl.maximum(seq_len - own_start, 0)
+    own_splits = tl.minimum(tl.cdiv(own_len, chunk_len), num_splits - num_prefix_splits)
+    s_mask = offs_s < num_prefix_splits + own_splits
     rows = (seq.to(tl.int64) * num_heads + head) * num_splits + offs_s  # [SPLITS_PAD]
 
     # -- split weights 2^(lse_s - max lse) ------------------------------------------------
@@ -351,12 +362,12 @@ def launch(
     stride_q, stride_c = q.stride(), k_cache.stride()
     _paged_decode_kernel[plan.grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, part,
-        scale * LOG2E, plan.chunk_len,
+        scale * LOG2E, plan.chunk_len, 0, 0,
         stride_q[0], stride_q[1], stride_c[0], stride_c[1], stride_c[2], block_tables.stride(0),
         **plan.constants,
     )  # fmt: skip
     if plan.num_splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_heads)](
-            part, seq_lens, out, plan.chunk_len, plan.num_splits, **plan.reduce_constants
+            part, seq_lens, out, plan.chunk_len, plan.num_splits, 0, 0, **plan.reduce_constants
         )
     return plan

@@ -16,6 +16,10 @@ captured in a CUDA graph. The decode split count depends only on shapes and on t
 `max_seq_len` bound, and the last split takes whatever lies past the bound, so a bound that
 is too small or too large costs speed, never correctness.
 
+Cascade decode (`shared_prefix_len > 0`): when every block-table row starts with the same
+pages, a prefix kernel reads them once per KV head for all sequences' queries together and
+the decode kernel covers only each sequence's own positions (triton_kernels/paged_cascade.py).
+
 Host cost per call is kept to attribute reads: the checks of q and the caches (stable for a
 model) and every launch plan are cached per shape; block tables and lengths, which change
 every step, get a few cheap comparisons.
@@ -81,6 +85,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: prefix sums of query lengths
     max_query_len: int  # longest query of the batch (1: pure decode)
     max_seq_len: int  # longest context of the batch
+    # decode only: tokens of leading pages that every block-table row shares, a multiple of
+    # the page size below every seq_len (0: no cascade); see paged_decode_attention
+    shared_prefix_len: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -139,12 +146,20 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    shared_prefix_len: int = 0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], q's dtype
     """Attention of one new query token per sequence over its whole cached context.
 
     `max_seq_len` is an upper bound of `seq_lens` used only to plan the split-K launch
     (default: the block-table capacity); `num_splits` forces the split count (1: no
     split-K). A sequence with seq_len 0 gets an all-zero output.
+
+    `shared_prefix_len` (a multiple of the page size, default 0: plain decode) is the
+    caller's promise that the first shared_prefix_len // block_size entries of every
+    block-table row are the same pages and that every seq_len exceeds it (padding rows with
+    seq_len 0 excepted); the Triton path then reads those pages once per KV head for all
+    sequences (cascade) and `num_splits` applies to the own positions only. The promise is
+    not checked against tensor values (no host sync); the reference ignores it (same math).
     """
     triton = attention_backend(q.device) == "triton"
     _check_attention(_spec(q), _spec(k_cache), _spec(v_cache), triton)
@@ -156,10 +171,19 @@ def paged_decode_attention(
         )
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if shared_prefix_len:
+        _check_shared_prefix(shared_prefix_len, k_cache.shape[1], block_tables, max_seq_len)
     if not triton:
         return reference_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    kernels = _triton_kernels("paged_decode", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if shared_prefix_len and q.shape[0] > 0:
+        _triton_kernels("paged_cascade", q.device).launch(
+            _last_dim_contiguous(q), k_cache, v_cache, _last_dim_contiguous(block_tables),
+            _last_dim_contiguous(seq_lens), out, scale, shared_prefix_len, num_splits,
+            max_seq_len=max_seq_len,
+        )  # fmt: skip
+        return out
+    kernels = _triton_kernels("paged_decode", q.device)
     if q.shape[0] > 0:
         kernels.launch(
             _last_dim_contiguous(q), k_cache, v_cache, _last_dim_contiguous(block_tables),
@@ -226,7 +250,7 @@ def paged_attention(
     if meta.is_decode:
         return paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-            max_seq_len=meta.max_seq_len,
+            max_seq_len=meta.max_seq_len, shared_prefix_len=meta.shared_prefix_len,
         )  # fmt: skip
     return paged_prefill_attention(
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -275,6 +299,8 @@ def _is_interpreted(module_name: str) -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     names = (module_name, "triton_kernels.paged_attention_common")
+    if module_name == "triton_kernels.paged_cascade":
+        names += ("triton_kernels.paged_decode",)  # it launches the decode kernels too
     kernels = [
         obj for name in names if name in sys.modules for obj in vars(sys.modules[name]).values()
         if type(obj).__name__ in ("JITFunction", "InterpretedFunction")
@@ -365,6 +391,28 @@ def _check_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, device: to
         raise ValueError(
             f"block_tables ({block_tables.device}) and seq_lens ({seq_lens.device}) "
             f"must be on q's device {device}"
+        )
+
+
+def _check_shared_prefix(
+    shared_prefix_len: int, block_size: int, block_tables: torch.Tensor, max_seq_len: int | None
+) -> None:
+    """Shapes and ints only: the promise about table and length values is the caller's."""
+    capacity = block_tables.shape[1] * block_size
+    if shared_prefix_len < 0 or shared_prefix_len % block_size:
+        raise ValueError(
+            f"shared_prefix_len must be a non-negative multiple of the block size {block_size}, "
+            f"got {shared_prefix_len}"
+        )
+    if shared_prefix_len >= capacity:
+        raise ValueError(
+            f"shared_prefix_len {shared_prefix_len} leaves no own token in block tables of "
+            f"{block_tables.shape[1]} blocks ({capacity} tokens)"
+        )
+    if max_seq_len is not None and max_seq_len <= shared_prefix_len:
+        raise ValueError(
+            f"shared_prefix_len {shared_prefix_len} must be below every seq_len, but "
+            f"max_seq_len is {max_seq_len}"
         )
 
 
