@@ -13,6 +13,10 @@ from pagedq.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedq.models.llama import LlamaForCausalLM, allocate_kv_caches
 from pagedq.ops.attention import AttentionMetadata
 
+# a decode batch's shared leading pages go through the cascade path from this many on:
+# below it, the extra prefix launch and partials cost more than re-reading a few pages
+CASCADE_MIN_BLOCKS = 4
+
 
 class ModelRunner:
     """Runs flat batches of prefill chunks and decode tokens over the paged KV cache."""
@@ -66,6 +70,8 @@ class ModelRunner:
                 last.append(starts[-1] - 1)
         max_blocks = max(len(c.seq.block_table) for c in chunks)
         tables = [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks]
+        decode = all(c.num_tokens == 1 for c in chunks)
+        shared = shared_prefix_len(tables, seq_lens, bs) if decode else 0
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=_tensor(slots, torch.int64, dev),
@@ -74,6 +80,7 @@ class ModelRunner:
             query_start_loc=_tensor(starts, torch.int32, dev),
             max_query_len=max(c.num_tokens for c in chunks),
             max_seq_len=max(seq_lens),
+            shared_prefix_len=shared,
         )
         return (
             _tensor(tokens, torch.int64, dev),
@@ -81,6 +88,25 @@ class ModelRunner:
             meta,
             _tensor(last, torch.int64, dev),
         )
+
+
+def shared_prefix_len(tables: list[list[int]], seq_lens: list[int], block_size: int) -> int:
+    """Tokens of the leading block ids that every table shares, for the cascade decode path.
+
+    Capped so that every sequence keeps at least one own token ((seq_len - 1) // block_size
+    blocks at most); 0 for fewer than two sequences or fewer than CASCADE_MIN_BLOCKS shared
+    blocks. The common prefix of all rows is that of the lexicographically smallest and
+    largest rows, so the cost is two C-level passes plus a loop over the shared blocks.
+    """
+    if len(tables) < 2:
+        return 0
+    limit = min(seq_lens) - 1
+    limit = min(limit // block_size, *(len(t) for t in tables))
+    lo, hi = min(tables), max(tables)
+    shared = 0
+    while shared < limit and lo[shared] == hi[shared]:
+        shared += 1
+    return shared * block_size if shared >= CASCADE_MIN_BLOCKS else 0
 
 
 def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

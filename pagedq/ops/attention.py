@@ -298,7 +298,7 @@ def _is_interpreted(module_name: str) -> bool:
     fixed once the module is imported."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    names = (module_name, "triton_kernels.paged_attention_common")
+    names: tuple[str, ...] = (module_name, "triton_kernels.paged_attention_common")
     if module_name == "triton_kernels.paged_cascade":
         names += ("triton_kernels.paged_decode",)  # it launches the decode kernels too
     kernels = [
