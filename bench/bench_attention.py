@@ -13,10 +13,14 @@ causal QK^T and PV FLOPs. Peers: SDPA on contiguous copies; flashinfer's
 BatchDecodeWithPagedKVCacheWrapper (NHD, planned outside the timing, the faster of its
 CUDA-core and tensor-core variants). pagedq runs through its public op (heuristic plan), then
 its kernels are swept over tiles x split counts (device time, and each compiled variant's
-shared memory and registers).
+shared memory and registers). On the shared case, "pagedq cascade" is the same op with
+shared_prefix_len=2048 (the prefix read once per KV head), swept over prefix tiles x prefix
+splits and own-part tiles x splits.
 
 Run (1-3 minutes on an H200, flashinfer JIT aside):
     PYTHONPATH=. python3 bench/bench_attention.py --out bench/results
+Only the shared case and its sweeps (under a minute):
+    PYTHONPATH=. python3 bench/bench_attention.py --only shared --skip-prefill --out bench/results
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import triton
 from triton.testing import do_bench
 
 from pagedq.ops import attention as attn
-from triton_kernels import paged_decode, paged_prefill
+from triton_kernels import paged_cascade, paged_decode, paged_prefill
+from triton_kernels.paged_cascade import CascadeConfig
 from triton_kernels.paged_decode import DecodeConfig
 from triton_kernels.paged_prefill import PrefillConfig
 
@@ -70,6 +75,13 @@ DECODE_CONFIGS = [  # (block_n, num_warps, num_stages); the first is the default
     (128, 4, 3), (128, 4, 2), (64, 2, 3), (64, 4, 3), (128, 8, 3), (64, 2, 2),
 ]  # fmt: skip
 DECODE_SPLITS = [1, 2, 3, 4, 6, 8, 16]
+CASCADE_CONFIGS = [  # prefix kernel (block_m, block_n, num_warps, num_stages); first: default
+    (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 32, 4, 3),
+]  # fmt: skip
+CASCADE_PREFIX_SPLITS = [None, 2, 4, 8, 16]  # None: about one wave of prefix programs
+CASCADE_OWN = [  # own-part decode (tiles, split count) with the default prefix config
+    (None, 1), (None, 2), ((64, 2, 3), None), ((64, 2, 3), 1), ((64, 4, 3), 1),
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -299,11 +311,54 @@ def bench_decode_case(case: DecodeCase, gen: torch.Generator) -> dict:
     row["best"] = _best(sweep)
     row["best_device_us"] = sweep[row["best"]]
 
+    if case.shared:
+        bench_cascade(row, case, args, scale, max_len)
     decode_peers(row, pool, case, q)
-    for key in ("pagedq_device_us", "best_device_us", "flashinfer_device_us"):
+    for key in ("pagedq_device_us", "best_device_us", "flashinfer_device_us",
+                "cascade_device_us", "cascade_best_device_us"):  # fmt: skip
         t = row[key]
         row[key.replace("_us", "_tbs")] = nbytes / t / 1e6 if isinstance(t, float) else None
     return row
+
+
+def bench_cascade(row: dict, case: DecodeCase, args: tuple, scale: float, max_len: int) -> None:
+    """The cascade path on the same inputs: public op, then prefix x own-part sweeps."""
+    prefix = case.shared
+    public = lambda: attn.paged_decode_attention(
+        *args, scale, max_seq_len=max_len, shared_prefix_len=prefix
+    )
+    out = public()
+    row["cascade_max_abs_diff_vs_plain"] = float((out.float() - row["_out"].float()).abs().max())
+    scratch = torch.empty_like(args[0])
+    plan = paged_cascade.launch(*args, scratch, scale, prefix, max_seq_len=max_len)
+    row["cascade_plan"] = (
+        f"m{plan.prefix_constants['BLOCK_M']}/p{plan.prefix_splits}/own{plan.own_splits}"
+    )
+    row["cascade_us"], row["cascade_device_us"] = eager_us(public), device_us(public)
+    row["cascade_host_us"] = host_us(public)
+
+    def run(cfg: CascadeConfig, own_splits: int | None, own_cfg: DecodeConfig | None):
+        return lambda: paged_cascade.launch(
+            *args, scratch, scale, prefix, own_splits, cfg, own_cfg, max_seq_len=max_len
+        )
+
+    sweep: dict[str, Timing] = {}
+    for bm, bn, warps, stages in CASCADE_CONFIGS:
+        for splits in CASCADE_PREFIX_SPLITS:
+            cfg = CascadeConfig(bm, bn, warps, stages, splits)
+            used = run(cfg, None, None)()
+            label = f"m{bm}/n{bn}/w{warps}/s{stages}/p{used.prefix_splits}/own{used.own_splits}"
+            if label not in sweep:
+                sweep[label] = device_us(run(cfg, None, None))
+    for tiles, own_splits in CASCADE_OWN:
+        own_cfg = DecodeConfig(*tiles) if tiles else None
+        used = run(CascadeConfig(), own_splits, own_cfg)()
+        own_label = f"n{tiles[0]}/w{tiles[1]}/s{tiles[2]}" if tiles else "default"
+        label = f"default/p{used.prefix_splits}/own{used.own_splits} {own_label}"
+        sweep.setdefault(label, device_us(run(CascadeConfig(), own_splits, own_cfg)))
+    row["cascade_sweep_device_us"] = sweep
+    row["cascade_best"] = _best(sweep)
+    row["cascade_best_device_us"] = sweep[row["cascade_best"]]
 
 
 def _best(sweep: dict[str, Timing]) -> str:
@@ -412,6 +467,14 @@ DECODE_COLUMNS = [  # (header, row key, digits)
     ("TB/s", "flashinfer_device_tbs", 2), ("target", "target_us", 1),
     ("flashinfer (targets.md)", "flashinfer_ref_us", 1),
 ]  # fmt: skip
+CASCADE_COLUMNS = [
+    ("case", "name", 0), ("pagedq cascade eager", "cascade_us", 1),
+    ("cascade device", "cascade_device_us", 1), ("cascade host", "cascade_host_us", 1),
+    ("plan", "cascade_plan", 0), ("best swept device", "cascade_best_device_us", 1),
+    ("config", "cascade_best", 0), ("plain pagedq device", "pagedq_device_us", 1),
+    ("flashinfer device", "flashinfer_device_us", 1), ("target", "target_us", 1),
+    ("max diff vs plain", "cascade_max_abs_diff_vs_plain", 4),
+]  # fmt: skip
 PREFILL_COLUMNS = [
     ("case", "name", 0), ("pagedq", "pagedq_us", 1), ("TFLOP/s", "pagedq_tflops", 1),
     ("config", "auto", 0), ("best swept", "best_us", 1), ("TFLOP/s", "best_tflops", 1),
@@ -436,6 +499,8 @@ def markdown(env: dict, decode: list[dict], prefill: list[dict]) -> str:
         "## Decode (bf16, page 16, head_dim 128); µs (eager: host included; device: CUDA "
         "graph), TB/s of device time vs the 4.28 TB/s copy ceiling", "",
         *_table(DECODE_COLUMNS, decode), "",
+        "## Decode over a shared prefix: pagedq cascade (shared_prefix_len = the prefix)", "",
+        *_table(CASCADE_COLUMNS, [r for r in decode if "cascade_us" in r]), "",
         "## Prefill (bf16, 32/8 heads, head_dim 128); eager µs and TFLOP/s", "",
         *_table(PREFILL_COLUMNS, prefill),
     ]  # fmt: skip
@@ -449,18 +514,28 @@ def summary(decode: list[dict], prefill: list[dict]) -> str:
 
     eager = count([(r["pagedq_us"], r["flashinfer_us"]) for r in decode])
     device = count([(r["pagedq_device_us"], r["flashinfer_device_us"]) for r in decode])
-    met = count([(r["pagedq_us"], r["target_us"]) for r in decode if r["target_us"]])
+    met = count([(_fastest(r), r["target_us"]) for r in decode if r["target_us"]])
     close = count([(r.get("pagedq_vs_sdpa"), 1.3) for r in prefill])
+    shared = [r for r in decode if "cascade_us" in r]
+    cascade = count([(r["cascade_device_us"], r["flashinfer_device_us"]) for r in shared])
     return (
         f"decode at or under flashinfer on {eager} cases eager, {device} device; eager targets "
-        f"met on {met}; prefill within 1.3x of SDPA on {close}"
+        f"met on {met} (cascade where shared); cascade device at or under flashinfer on "
+        f"{cascade}; prefill within 1.3x of SDPA on {close}"
     )
+
+
+def _fastest(row: dict) -> Timing:
+    """pagedq's eager time, the cascade's where the case has one and it is faster."""
+    times = [t for t in (row["pagedq_us"], row.get("cascade_us")) if isinstance(t, float)]
+    return min(times) if times else row["pagedq_us"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--only", default="", help="decode cases whose name contains this")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU")
@@ -469,7 +544,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     start = time.time()
     decode, prefill = [], []
-    for case in DECODE_CASES:
+    for case in [c for c in DECODE_CASES if args.only in c.name]:
         decode.append(bench_decode_case(case, gen))
         print(f"[{time.time() - start:6.1f}s] decode {case.name}: {json.dumps(decode[-1])}")
         torch.cuda.empty_cache()
