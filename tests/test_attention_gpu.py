@@ -247,3 +247,119 @@ def test_decode_step_has_no_host_sync_and_replays_in_a_cuda_graph() -> None:
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         expected = attn.reference_decode_attention(q, k_ref, v_ref, tables, seq_lens, dim**-0.5)
         torch.testing.assert_close(out, expected, **TOL[torch.float16])
+
+
+# ---------------------------------------------------------------------------------------
+# cascade (shared_prefix_len > 0) at full size
+# ---------------------------------------------------------------------------------------
+
+
+def check_cascade(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int,
+    prefix_len: int, own: list[int], **kwargs: object,
+) -> None:  # fmt: skip
+    from tests.test_cascade import shared_prefix_batch
+
+    batch, tables, seq_lens = shared_prefix_batch(
+        prefix_len, own, kv_heads, head_dim, block_size, dtype, device="cuda", seed=heads + len(own)
+    )
+    q = torch.randn(len(own), heads, head_dim, device="cuda").to(dtype)
+    args = (q, batch.k_cache, batch.v_cache, tables, seq_lens, head_dim**-0.5)
+    out = attn.paged_decode_attention(*args, shared_prefix_len=prefix_len, **kwargs)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, attn.reference_decode_attention(*args), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads"), SHAPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cascade_full_size(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """64 sequences on a 2,048-token prefix, own lengths 1 .. 270 (the bench's shared case)."""
+    own = ragged_lengths(16, 270, 64, seed=heads + head_dim)
+    check_cascade(dtype, heads, kv_heads, head_dim, 16, 2048, own, max_seq_len=2048 + 270)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("prefix_pages", [1, 7, 64])
+def test_cascade_block_sizes_and_splits(
+    block_size: int, num_splits: int | None, prefix_pages: int
+) -> None:
+    own = ragged_lengths(block_size, 700, 24, seed=block_size)
+    check_cascade(torch.bfloat16, 32, 8, 128, block_size, prefix_pages * block_size, own,
+                  num_splits=num_splits)  # fmt: skip
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 200])
+def test_cascade_one_own_token_and_batch_sizes(num_seqs: int) -> None:
+    """seq_len == shared_prefix_len + 1 for every sequence; one, two and many sequences."""
+    check_cascade(torch.float16, 9, 3, 64, 16, 1024, [1] * num_seqs)
+
+
+# the prefix tiles bench/bench_attention.py sweeps: each must compile, fit and be exact
+CASCADE_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 32, 4, 3)]
+
+
+@pytest.mark.parametrize(("block_m", "block_n", "num_warps", "num_stages"), CASCADE_TILES)
+@pytest.mark.parametrize("prefix_splits", [None, 2, 16])
+def test_cascade_swept_tiles(
+    block_m: int, block_n: int, num_warps: int, num_stages: int, prefix_splits: int | None
+) -> None:
+    from tests.test_cascade import shared_prefix_batch
+    from triton_kernels import paged_cascade, paged_decode
+
+    own = ragged_lengths(16, 270, 64, seed=block_m + block_n)
+    batch, tables, seq_lens = shared_prefix_batch(2048, own, 8, 128, 16, torch.bfloat16, "cuda")
+    q = torch.randn(64, 32, 128, device="cuda").to(torch.bfloat16)
+    args = (q, batch.k_cache, batch.v_cache, tables, seq_lens)
+    expected = attn.reference_decode_attention(*args, 128**-0.5)
+    cfg = paged_cascade.CascadeConfig(block_m, block_n, num_warps, num_stages, prefix_splits)
+    for own_splits, own_cfg in ((None, None), (1, paged_decode.DecodeConfig(64, 2, 3))):
+        out = torch.full_like(q, float("nan"))
+        paged_cascade.launch(*args, out, 128**-0.5, 2048, own_splits, cfg, own_cfg,
+                             max_seq_len=2048 + 270)  # fmt: skip
+        torch.testing.assert_close(out, expected, **TOL[q.dtype])
+
+
+def test_cascade_step_has_no_host_sync_and_replays_in_a_cuda_graph() -> None:
+    """Capture a cascade decode step (prefix of 32 pages) and replay it over new tables,
+    lengths and queries, a padding row (seq_len 0) included."""
+    heads, kv_heads, dim, block_size, num_seqs, prefix_pages = 32, 8, 128, 16, 8, 32
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(700, block_size, kv_heads, dim, generator=gen).bfloat16().cuda()
+    v_cache = torch.randn(700, block_size, kv_heads, dim, generator=gen).bfloat16().cuda()
+    tables = torch.zeros(num_seqs, 64, dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(num_seqs, dtype=torch.int32, device="cuda")
+    q = torch.zeros(num_seqs, heads, dim, dtype=torch.bfloat16, device="cuda")
+    prefix = prefix_pages * block_size
+    meta = AttentionMetadata(
+        torch.zeros(num_seqs, dtype=torch.int64, device="cuda"), tables, seq_lens,
+        query_start_loc([1] * num_seqs, "cuda"), 1, 64 * block_size, shared_prefix_len=prefix,
+    )  # fmt: skip
+
+    def step() -> torch.Tensor:
+        return attn.paged_attention(q, k_cache, v_cache, meta, dim**-0.5)
+
+    def fill(own: list[int]) -> None:  # new inputs, in place; -1 = padding row
+        perm = torch.randperm(700, generator=gen)[: prefix_pages + num_seqs * 32]
+        rows = torch.cat([perm[:prefix_pages].expand(num_seqs, -1),
+                          perm[prefix_pages:].view(num_seqs, 32)], 1)  # fmt: skip
+        tables.copy_(rows.int())
+        seq_lens.copy_(torch.tensor([prefix + n if n >= 0 else 0 for n in own], dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, generator=gen).bfloat16())
+
+    fill([1, 5, 16, 17, 300, 500, -1, 511])
+    step()  # compile and warm up outside the graph
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()  # raises if anything in the step synchronises with the host
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for own in ([3, 64, 65, 1, 200, 511, -1, 2], [511] * num_seqs):
+        fill(own)
+        graph.replay()
+        expected = attn.reference_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim**-0.5)
+        torch.testing.assert_close(out, expected, **TOL[torch.bfloat16])
