@@ -157,9 +157,10 @@ def paged_decode_attention(
     `shared_prefix_len` (a multiple of the page size, default 0: plain decode) is the
     caller's promise that the first shared_prefix_len // block_size entries of every
     block-table row are the same pages and that every seq_len exceeds it (padding rows with
-    seq_len 0 excepted); the Triton path then reads those pages once per KV head for all
-    sequences (cascade) and `num_splits` applies to the own positions only. The promise is
-    not checked against tensor values (no host sync); the reference ignores it (same math).
+    seq_len 0 excepted: they get zeros). The Triton path then reads those pages, from row
+    0, once per KV head for all sequences (cascade) and `num_splits` applies to the own
+    positions only. The promise is not checked against tensor values (no host sync); the
+    reference ignores it (same math).
     """
     triton = attention_backend(q.device) == "triton"
     _check_attention(_spec(q), _spec(k_cache), _spec(v_cache), triton)
