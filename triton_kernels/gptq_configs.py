@@ -239,3 +239,22 @@ def cuda_split_k(
         per_split = max_per_split
         split = -(-num_blocks // per_split)
     return split, per_split
+
+
+# --- the CUDA tensor-core kernel (cuda_ext/gptq_mma.cuh) ------------------------------------
+MMA_CTAS_PER_SM = 2  # resident CTAs per SM (register-bound: kMmaMinCtas in gptq_mma.cuh)
+MMA_CTA_OVERHEAD_BLOCKS = 4  # fixed cost of a CTA (fill, reduction, fix-up) in 128-row blocks
+MMA_MAX_SPLIT = 8
+
+
+def mma_split_k(n: int, num_blocks: int, num_sms: int) -> int:
+    """K split of the tensor-core kernel: the one minimising waves x per-CTA work, where a CTA
+    streams ceil(num_blocks / split) blocks of its 32 columns plus a fixed overhead."""
+    tiles = -(-n // CUDA_TILE_N)
+    slots = num_sms * MMA_CTAS_PER_SM
+
+    def cost(split: int) -> int:
+        waves = -(-(tiles * split) // slots)
+        return waves * (-(-num_blocks // split) + MMA_CTA_OVERHEAD_BLOCKS)
+
+    return min(range(1, min(MMA_MAX_SPLIT, num_blocks) + 1), key=cost)
