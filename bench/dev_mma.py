@@ -16,7 +16,7 @@ def check() -> float:
     worst = 0.0
     for dtype in (torch.float16, torch.bfloat16):
         for k, n, gs, asym in ((4096, 4096, 128, False), (1000, 264, 32, True), (512, 72, 64, False),
-                               (384, 40, 384, True), (2048, 520, 128, True)):
+                               (384, 40, 384, True), (2048, 520, 128, True), (11008, 136, 128, False)):
             g = -(-k // gs)
             q = torch.randint(0, 16, (k, n))
             scales = torch.rand(g, n) * 0.02 + 0.001
@@ -25,7 +25,8 @@ def check() -> float:
             for m in (1, 3, 8, 9, 16):
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
                 ref = ops.gptq_matmul_reference(x, w).float()
-                for split in (1, 2, 3):
+                print(f"  {dtype} k={k} n={n} gs={gs} asym={asym} m={m}", flush=True)
+                for split in (1, 2, 3, None):
                     out = ops._launch_cuda(x, w, None, kernel="mma", split=split).float()
                     err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
                     worst = max(worst, err)
@@ -43,14 +44,17 @@ def sweep() -> None:
     for si, (name, k, n) in enumerate(SHAPES):
         ws = weights[si :: len(SHAPES)]
         nbytes = sum(w.qweight.numel() * 4 + w.scales.numel() * 2 for w in ws)
-        auto = gptq_configs.mma_split_k(n, -(-k // 128), sms)
         for m in (1, 16):
+            auto = gptq_configs.mma_split_k(n, -(-k // 128), sms, 1 if m == 1 else 16)
             row = []
             for split in (1, 2, 3, 4, 6, 8):
                 def run(split: int = split) -> None:
                     for w in ws:
                         ops._launch_cuda(xs[m][k], w, None, kernel="mma", split=split)
-                ms = time_ms(graphed(run), 20)
+                try:
+                    ms = time_ms(graphed(run), 20)
+                except RuntimeError:
+                    continue
                 row.append(f"s{split} {ms * 1000 / len(ws):.1f}us {nbytes / ms / 1e9:.2f}TB/s")
             def old() -> None:
                 for w in ws:
@@ -67,6 +71,15 @@ def sweep() -> None:
 
 
 if __name__ == "__main__":
+    from cuda_ext.build import gptq_ext_available
+
+    assert gptq_ext_available(torch.device("cuda"))
     bad = check()
     if "--check-only" not in sys.argv:
+        sweep()
+    if "--probe" in sys.argv:
+        import os
+
+        os.environ["PAGEDQ_MMA_PROBE"] = "1"
+        print("PROBE: tile-major addressing")
         sweep()

@@ -82,14 +82,29 @@ void launch_tile(const gptq::GemvParams<T>& p, dim3 grid, size_t smem, cudaStrea
   gptq::gptq_gemv_kernel<T, M_TILE><<<grid, gptq::kThreads, smem, stream>>>(p);
 }
 
+template <typename T, int ROWS, int NQ>
+void launch_mma_rows(const gptq::GemvParams<T>& p, dim3 grid, cudaStream_t stream) {
+  const size_t smem = gptq::mma_smem_bytes<ROWS>(p.blocks_per_split, sizeof(T));
+  static size_t opted_in = 48 * 1024;  // per instantiation: raise the limit once, as needed
+  if (smem > opted_in) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(gptq::gptq_mma_kernel<T, ROWS, NQ>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+    opted_in = smem;
+  }
+  gptq::gptq_mma_kernel<T, ROWS, NQ><<<grid, gptq::kThreads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename T, int NQ>
 void launch_mma(const gptq::GemvParams<T>& p, int m_tile, dim3 grid, cudaStream_t stream) {
-  if (m_tile <= 8) {
-    gptq::gptq_mma_kernel<T, 8, NQ><<<grid, gptq::kThreads, 0, stream>>>(p);
+  if (m_tile == 1) {
+    launch_mma_rows<T, 1, NQ>(p, grid, stream);
+  } else if (m_tile <= 8) {
+    launch_mma_rows<T, 8, NQ>(p, grid, stream);
   } else {
-    gptq::gptq_mma_kernel<T, 16, NQ><<<grid, gptq::kThreads, 0, stream>>>(p);
+    launch_mma_rows<T, 16, NQ>(p, grid, stream);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
@@ -149,7 +164,13 @@ at::Tensor gptq_small_m(const at::Tensor& x, const at::Tensor& qweight, const at
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   const int64_t m = x.size(0), n = qweight.size(1);
   const int64_t num_blocks = (x.size(1) + gptq::kBlockK - 1) / gptq::kBlockK;
-  const int64_t per_split = (num_blocks + split_k - 1) / split_k;
+  int64_t per_split = (num_blocks + split_k - 1) / split_k;
+  if (mma) {  // more splits when the staged activations would not fit
+    const int64_t rows = m == 1 ? 1 : (m <= 8 ? 8 : 16);
+    const int64_t max_per_split =
+        (gptq::kMmaMaxSmem / (rows * 2) - gptq::kMmaRowPad) / gptq::kBlockK;
+    per_split = std::min(per_split, max_per_split);
+  }
   const int64_t split = (num_blocks + per_split - 1) / per_split;  // no empty split
   const int m_tile = m_tile_for(m);
   const int64_t staged = mma ? 0 : m_tile * per_split * gptq::kBlockK * x.element_size();

@@ -286,7 +286,8 @@ def _launch_cuda(
         bias = bias.to(x.dtype)
     if kernel == "mma":
         if split is None:
-            split = gptq_configs.mma_split_k(w.out_features, num_blocks, _num_sms(x.device))
+            rows = 1 if x.shape[0] == 1 else (8 if x.shape[0] <= 8 else 16)
+            split = gptq_configs.mma_split_k(w.out_features, num_blocks, _num_sms(x.device), rows)
         op = torch.ops.pagedq.gptq_mma
     else:
         m_tile = next(t for t in _CUDA_M_TILES if t >= x.shape[0])
