@@ -84,9 +84,9 @@ def inputs(m: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
 # --- the stacks ---------------------------------------------------------------------------
 
 
-def pagedq_weights(layers: int = LAYERS) -> list[PackedGPTQWeight]:
+def pagedq_weights() -> list[PackedGPTQWeight]:
     weights = []
-    for _ in range(layers):
+    for _ in range(LAYERS):
         for _, k, n in SHAPES:
             weights.append(
                 PackedGPTQWeight(

@@ -15,24 +15,12 @@ at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
                           const std::optional<at::Tensor>& bias, at::Tensor& locks,
                           int64_t group_size, int64_t split_k);
 
-// gptq_gemv.cu: the same product on tensor cores (mma.sync), same arguments and layout.
-at::Tensor gptq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& zeros,
-                         const std::optional<at::Tensor>& bias, at::Tensor& locks,
-                         int64_t group_size, int64_t split_k);
-
 }  // namespace pagedq
 
 TORCH_LIBRARY_FRAGMENT(pagedq, m) {
   m.def(
       "gptq_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
       "Tensor(a!) locks, int group_size, int split_k) -> Tensor");
-  m.def(
-      "gptq_mma(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
-      "Tensor(a!) locks, int group_size, int split_k) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedq, CUDA, m) {
-  m.impl("gptq_gemv", &pagedq::gptq_gemv_cuda);
-  m.impl("gptq_mma", &pagedq::gptq_mma_cuda);
-}
+TORCH_LIBRARY_IMPL(pagedq, CUDA, m) { m.impl("gptq_gemv", &pagedq::gptq_gemv_cuda); }

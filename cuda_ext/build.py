@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("gptq_gemv.cu", "bindings.cpp")  # the one source list (headers: *.cuh)
+SOURCES = ("gptq_gemv.cu", "bindings.cpp")  # the one source list
 EXTENSION_NAME = "pagedq_cuda_ext"
 MIN_CAPABILITY = (8, 0)  # bf16 pair arithmetic
 
@@ -104,4 +104,3 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], qweight.shape[1]))
 
     torch.library.register_fake("pagedq::gptq_gemv", gptq_gemv_fake)
-    torch.library.register_fake("pagedq::gptq_mma", gptq_gemv_fake)

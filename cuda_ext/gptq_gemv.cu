@@ -8,7 +8,6 @@
 #include <algorithm>
 
 #include "gptq_gemv.cuh"
-#include "gptq_mma.cuh"
 
 namespace pagedq {
 namespace {
@@ -82,43 +81,8 @@ void launch_tile(const gptq::GemvParams<T>& p, dim3 grid, size_t smem, cudaStrea
   gptq::gptq_gemv_kernel<T, M_TILE><<<grid, gptq::kThreads, smem, stream>>>(p);
 }
 
-template <typename T, int ROWS, int NQ>
-void launch_mma_rows(const gptq::GemvParams<T>& p, dim3 grid, cudaStream_t stream) {
-  const size_t smem = gptq::mma_smem_bytes<ROWS>(p.blocks_per_split, sizeof(T));
-  static size_t opted_in = 48 * 1024;  // per instantiation: raise the limit once, as needed
-  if (smem > opted_in) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(gptq::gptq_mma_kernel<T, ROWS, NQ>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-    opted_in = smem;
-  }
-  gptq::gptq_mma_kernel<T, ROWS, NQ><<<grid, gptq::kThreads, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T, int NQ>
-void launch_mma(const gptq::GemvParams<T>& p, int m_tile, dim3 grid, cudaStream_t stream) {
-  if (m_tile == 1) {
-    launch_mma_rows<T, 1, NQ>(p, grid, stream);
-  } else if (m_tile <= 8) {
-    launch_mma_rows<T, 8, NQ>(p, grid, stream);
-  } else {
-    launch_mma_rows<T, 16, NQ>(p, grid, stream);
-  }
-}
-
 template <typename T>
-void launch(const gptq::GemvParams<T>& p, int m_tile, bool mma, dim3 grid, size_t smem,
-            cudaStream_t stream) {
-  if (mma) {
-    const bool one_group_per_block = p.num_groups == 1 || p.group_size % gptq::kBlockK == 0;
-    if (one_group_per_block) {
-      launch_mma<T, 1>(p, m_tile, grid, stream);
-    } else {
-      launch_mma<T, 4>(p, m_tile, grid, stream);
-    }
-    return;
-  }
+void launch(const gptq::GemvParams<T>& p, int m_tile, dim3 grid, size_t smem, cudaStream_t stream) {
   switch (m_tile) {
     case 1: launch_tile<T, 1>(p, grid, smem, stream); break;
     case 2: launch_tile<T, 2>(p, grid, smem, stream); break;
@@ -150,30 +114,21 @@ gptq::GemvParams<T> make_params(const at::Tensor& x, const at::Tensor& qweight,
   return p;
 }
 
-at::Tensor gptq_small_m(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const std::optional<at::Tensor>& zeros,
-                        const std::optional<at::Tensor>& bias, at::Tensor& locks,
-                        int64_t group_size, int64_t split_k, bool mma) {
+}  // namespace
+
+// Declared in bindings.cpp, which registers it as pagedq::gptq_gemv.
+at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& zeros,
+                          const std::optional<at::Tensor>& bias, at::Tensor& locks,
+                          int64_t group_size, int64_t split_k) {
   check_inputs(x, qweight, scales, zeros, bias, locks, group_size, split_k);
-  if (mma) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 && x.stride(0) % 2 == 0 &&
-                    x.size(1) % 2 == 0,
-                "gptq_mma: x rows must be 4-byte aligned with an even K, got K = ", x.size(1),
-                " and row stride ", x.stride(0));
-  }
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   const int64_t m = x.size(0), n = qweight.size(1);
   const int64_t num_blocks = (x.size(1) + gptq::kBlockK - 1) / gptq::kBlockK;
-  int64_t per_split = (num_blocks + split_k - 1) / split_k;
-  if (mma) {  // more splits when the staged activations would not fit
-    const int64_t rows = m == 1 ? 1 : (m <= 8 ? 8 : 16);
-    const int64_t max_per_split =
-        (gptq::kMmaMaxSmem / (rows * 2) - gptq::kMmaRowPad) / gptq::kBlockK;
-    per_split = std::min(per_split, max_per_split);
-  }
+  const int64_t per_split = (num_blocks + split_k - 1) / split_k;
   const int64_t split = (num_blocks + per_split - 1) / per_split;  // no empty split
   const int m_tile = m_tile_for(m);
-  const int64_t staged = mma ? 0 : m_tile * per_split * gptq::kBlockK * x.element_size();
+  const int64_t staged = m_tile * per_split * gptq::kBlockK * x.element_size();
   TORCH_CHECK(staged <= gptq::kMaxStagedBytes, "gptq_gemv: split_k = ", split_k, " stages ", staged,
               " bytes of activations per CTA, the limit is ", gptq::kMaxStagedBytes);
   const int64_t tiles = (n + gptq::kTileN - 1) / gptq::kTileN;
@@ -183,7 +138,7 @@ at::Tensor gptq_small_m(const at::Tensor& x, const at::Tensor& qweight, const at
   at::Tensor out = at::empty({m, n}, x.options());
   at::Tensor workspace;
   if (split > 1) workspace = at::empty({split, m, n}, x.options().dtype(at::kFloat));
-  const int64_t reduce_bytes = mma ? 0 : int64_t{gptq::kWarps} * m_tile * gptq::kTileN * 4;
+  const int64_t reduce_bytes = int64_t{gptq::kWarps} * m_tile * gptq::kTileN * 4;
   const size_t smem = static_cast<size_t>(std::max(staged, reduce_bytes));
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(split));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -194,33 +149,16 @@ at::Tensor gptq_small_m(const at::Tensor& x, const at::Tensor& qweight, const at
     p.num_groups = static_cast<int>(scales.size(0));
     p.blocks_per_split = static_cast<int>(per_split);
     p.split = static_cast<int>(split);
-    launch<__half>(p, m_tile, mma, grid, smem, stream);
+    launch<__half>(p, m_tile, grid, smem, stream);
   } else {
     auto p = make_params<__nv_bfloat16>(x, qweight, scales, zeros, bias, locks, out, workspace);
     p.group_size = static_cast<int>(group_size);
     p.num_groups = static_cast<int>(scales.size(0));
     p.blocks_per_split = static_cast<int>(per_split);
     p.split = static_cast<int>(split);
-    launch<__nv_bfloat16>(p, m_tile, mma, grid, smem, stream);
+    launch<__nv_bfloat16>(p, m_tile, grid, smem, stream);
   }
   return out;
-}
-
-}  // namespace
-
-// Declared in bindings.cpp, which registers them as pagedq::gptq_gemv and pagedq::gptq_mma.
-at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                          const std::optional<at::Tensor>& zeros,
-                          const std::optional<at::Tensor>& bias, at::Tensor& locks,
-                          int64_t group_size, int64_t split_k) {
-  return gptq_small_m(x, qweight, scales, zeros, bias, locks, group_size, split_k, false);
-}
-
-at::Tensor gptq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& zeros,
-                         const std::optional<at::Tensor>& bias, at::Tensor& locks,
-                         int64_t group_size, int64_t split_k) {
-  return gptq_small_m(x, qweight, scales, zeros, bias, locks, group_size, split_k, true);
 }
 
 }  // namespace pagedq

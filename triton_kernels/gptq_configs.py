@@ -239,28 +239,3 @@ def cuda_split_k(
         per_split = max_per_split
         split = -(-num_blocks // per_split)
     return split, per_split
-
-
-# --- the CUDA tensor-core kernel (cuda_ext/gptq_mma.cuh) ------------------------------------
-MMA_CTAS_PER_SM = 2  # resident CTAs per SM (register-bound: kMmaMinCtas in gptq_mma.cuh)
-MMA_CTA_OVERHEAD_BLOCKS = 4  # fixed cost of a CTA (fill, reduction, fix-up) in 128-row blocks
-MMA_MAX_SPLIT = 8
-MMA_MAX_SMEM = 100 * 1024  # staged activation bytes per CTA (kMmaMaxSmem)
-MMA_ROW_PAD = 32  # padding elements per staged row (kMmaRowPad)
-
-
-def mma_split_k(n: int, num_blocks: int, num_sms: int, rows: int) -> int:
-    """K split of the tensor-core kernel for `rows` staged x rows (1, 8 or 16): the one
-    minimising waves x per-CTA work, where a CTA streams ceil(num_blocks / split) blocks of its 32
-    columns plus a fixed overhead, among the splits whose staged activations fit MMA_MAX_SMEM."""
-    tiles = -(-n // CUDA_TILE_N)
-    slots = num_sms * MMA_CTAS_PER_SM
-    max_per_split = (MMA_MAX_SMEM // (2 * rows) - MMA_ROW_PAD) // BLOCK_K
-    min_split = -(-num_blocks // max_per_split)
-
-    def cost(split: int) -> int:
-        waves = -(-(tiles * split) // slots)
-        return waves * (-(-num_blocks // split) + MMA_CTA_OVERHEAD_BLOCKS)
-
-    candidates = range(min_split, max(min_split, min(MMA_MAX_SPLIT, num_blocks)) + 1)
-    return min(candidates, key=cost)

@@ -51,7 +51,8 @@ from triton_kernels.paged_decode import (
 )
 
 MAX_PREFIX_SPLITS = 32
-PREFIX_WAVES = 1.0  # prefix programs per SM the automatic split count aims for
+PREFIX_WAVES = 2.0  # prefix programs per SM the automatic split count aims for (H200 sweep:
+# B=64, 2048-token prefix: 8 splits 45.9 us, 4 splits 49.7 us, 16 splits 52.1 us)
 
 
 @dataclass(frozen=True, slots=True)

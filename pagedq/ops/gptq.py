@@ -269,34 +269,20 @@ def _launch_triton(
     return out
 
 
-def _launch_cuda(
-    x: torch.Tensor,
-    w: PackedGPTQWeight,
-    bias: torch.Tensor | None,
-    kernel: str = "mma",
-    split: int | None = None,
-) -> torch.Tensor:
-    """Run the CUDA extension on x [M, K] (M <= 16) -> [M, N]: the tensor-core kernel
-    (pagedq::gptq_mma, `kernel="mma"`) or the CUDA-core GEMV (pagedq::gptq_gemv); `split`
-    forces the K split (default: from gptq_configs)."""
+def _launch_cuda(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Run the CUDA extension's GEMV (pagedq::gptq_gemv) on x [M, K] (M <= 16) -> [M, N]."""
     from triton_kernels import gptq_configs
 
+    m_tile = next(t for t in _CUDA_M_TILES if t >= x.shape[0])
     num_blocks = -(-w.in_features // BLOCK_K)
+    split, _ = gptq_configs.cuda_split_k(
+        m_tile, w.out_features, num_blocks, _num_sms(x.device), w.locks.numel()
+    )
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    if kernel == "mma":
-        if split is None:
-            rows = 1 if x.shape[0] == 1 else (8 if x.shape[0] <= 8 else 16)
-            split = gptq_configs.mma_split_k(w.out_features, num_blocks, _num_sms(x.device), rows)
-        op = torch.ops.pagedq.gptq_mma
-    else:
-        m_tile = next(t for t in _CUDA_M_TILES if t >= x.shape[0])
-        if split is None:
-            split, _ = gptq_configs.cuda_split_k(
-                m_tile, w.out_features, num_blocks, _num_sms(x.device), w.locks.numel()
-            )
-        op = torch.ops.pagedq.gptq_gemv
-    return op(x, w.qweight, w.scales, w.zeros, bias, w.locks, w.group_size, split)
+    return torch.ops.pagedq.gptq_gemv(
+        x, w.qweight, w.scales, w.zeros, bias, w.locks, w.group_size, split
+    )
 
 
 def _cuda_ext_applies(x: torch.Tensor, w: PackedGPTQWeight) -> bool:
