@@ -316,7 +316,7 @@ def bench_decode_case(case: DecodeCase, gen: torch.Generator) -> dict:
     decode_peers(row, pool, case, q)
     for key in ("pagedq_device_us", "best_device_us", "flashinfer_device_us",
                 "cascade_device_us", "cascade_best_device_us"):  # fmt: skip
-        t = row[key]
+        t = row.get(key)
         row[key.replace("_us", "_tbs")] = nbytes / t / 1e6 if isinstance(t, float) else None
     return row
 
@@ -428,7 +428,7 @@ def bench_prefill_case(case: PrefillCase, gen: torch.Generator) -> dict:
         ref = attn.reference_prefill_attention(*args[:6], scale)
         row["max_abs_diff_vs_reference"] = float((out.float() - ref.float()).abs().max())
     for key in ("pagedq_us", "best_us", "sdpa_us"):
-        t = row[key]
+        t = row.get(key)
         row[key.replace("_us", "_tflops")] = flops / t / 1e6 if isinstance(t, float) else None
     if isinstance(row["sdpa_us"], float):
         row["pagedq_vs_sdpa"] = row["pagedq_us"] / row["sdpa_us"]
