@@ -9,6 +9,7 @@ Kernel outputs (and the split-K scratch buffers) are allocated by torch.empty un
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -494,6 +495,20 @@ def test_kernel_tiles_follow_the_shape() -> None:
     assert paged_decode.default_config(64, torch.float16).block_n == 128
     assert paged_decode.default_config(128, torch.float32) == paged_decode.DecodeConfig(64, 4, 2)
     assert paged_decode.default_config(256, torch.float32).block_n == 32  # 2 stages in 128 KB
+    # one-split W4b plans on 132 SMs: few programs -> 64-token tiles, many -> 2 stages
+    plan = functools.partial(paged_decode.decode_plan, num_heads=32, num_kv_heads=8,
+                             head_dim=128, block_size=16, dtype=torch.bfloat16,
+                             num_splits=None, config=None, num_sms=132)  # fmt: skip
+    short, wide, long = (
+        plan(64, max_seq_len=640),
+        plan(256, max_seq_len=1152),
+        plan(64, max_seq_len=2304),
+    )
+    assert short.num_splits == wide.num_splits == 1 and long.num_splits > 1
+    assert (short.constants["BLOCK_N"], short.constants["num_stages"]) == (64, 3)
+    assert (wide.constants["BLOCK_N"], wide.constants["num_stages"]) == (128, 2)
+    assert (long.constants["BLOCK_N"], long.constants["num_stages"]) == (128, 3)
+    assert short.chunk_len >= 640 and short.chunk_len % 64 == 0
     prefill = paged_prefill.default_config
     assert prefill(128, 2048, 2048) == PrefillConfig(128, 64, 4, 3)  # 4 x 2048 new
     assert prefill(128, 512, 512) == PrefillConfig(64, 32, 4, 3)  # 16 x 512 new
