@@ -251,19 +251,16 @@ def accuracy(weights: list[PackedGPTQWeight], ms: list[int]) -> dict[str, float]
     return worst
 
 
-def with_backend(name: str, fn: Callable[[], Any], pdl: bool = True) -> Any:
-    """Run fn with PAGEDQ_GPTQ_BACKEND=name (and PAGEDQ_PDL=0 when not pdl)."""
-    saved = {key: os.environ.get(key) for key in (ops.BACKEND_ENV, ops.PDL_ENV)}
+def with_backend(name: str, fn: Callable[[], Any]) -> Any:
+    old = os.environ.get(ops.BACKEND_ENV)
     os.environ[ops.BACKEND_ENV] = name
-    os.environ[ops.PDL_ENV] = "1" if pdl else "0"
     try:
         return fn()
     finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
+        if old is None:
+            os.environ.pop(ops.BACKEND_ENV, None)
+        else:
+            os.environ[ops.BACKEND_ENV] = old
 
 
 def small_m_sweep(
@@ -349,12 +346,8 @@ def main() -> None:
         row["pagedq"] = with_backend(
             "auto", lambda m=m: measure(pagedq_stack(weights, m), nbytes, args.repeats)
         )
-        row["pagedq_no_pdl"] = with_backend(
-            "auto", lambda m=m: measure(pagedq_stack(weights, m), nbytes, args.repeats), pdl=False
-        )
         print(
-            f"  M={m}: pagedq {row['pagedq']['graph_ms']:.3f} ms ({row['pagedq']['eager_ms']:.3f}),"
-            f" without PDL {row['pagedq_no_pdl']['graph_ms']:.3f} ms",
+            f"  M={m}: pagedq {row['pagedq']['graph_ms']:.3f} ms ({row['pagedq']['eager_ms']:.3f})",
             flush=True,
         )
     results["small_m"] = small_m_sweep(weights, nbytes, args.repeats)

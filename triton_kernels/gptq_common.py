@@ -27,12 +27,6 @@ exactly (0x4300 in bf16 is 128 + q, 0x4B000000 in fp32 is 2**23 + q), and subtra
 on the exact integers (q - z') and its fp32 result is scaled once per block (no rounding);
 otherwise the weights are multiplied by their scale before the dot (one rounding).
 
-Programmatic dependent launch (USE_PDL, Hopper and newer): the launcher may start a program
-before the previous kernel in the stream has finished; `wait_for_previous_kernel` first lets the
-next kernel launch early too, then blocks until the previous kernel's writes are visible. Every
-load of x and every store (out, workspace, locks) comes after it, so the overlap is the launch
-and scheduling latency between back-to-back kernels.
-
 Split-K epilogue: with SPLIT_K > 1 every program writes its fp32 partial tile to a workspace
 [SPLIT_K, M, N], then increments the tile's arrival counter in `locks`; the last program to
 arrive sums the partials in split order (deterministic), writes the output and resets the
@@ -43,15 +37,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-
-@triton.jit
-def wait_for_previous_kernel(USE_PDL: tl.constexpr):
-    """With PDL: allow the next kernel to launch, then wait for the previous one's results."""
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
 
 
 @triton.jit
@@ -302,5 +287,4 @@ __all__ = [
     "dequant_block_bcast",
     "load_group_params",
     "store_output",
-    "wait_for_previous_kernel",
 ]

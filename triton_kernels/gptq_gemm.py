@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from triton_kernels.gptq_common import accumulate_blocks, store_output, wait_for_previous_kernel
+from triton_kernels.gptq_common import accumulate_blocks, store_output
 
 
 @triton.jit
@@ -59,9 +59,7 @@ def gptq_gemm_kernel(
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     UNPACK: tl.constexpr = 0,  # dequantization variant (see gptq_common.accumulate_blocks)
-    USE_PDL: tl.constexpr = False,  # launched as a programmatic dependent (see gptq_common)
 ):
-    wait_for_previous_kernel(USE_PDL)
     # --- grouped tile order: GROUP_M row tiles share each column slab
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)

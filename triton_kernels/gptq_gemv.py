@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from triton_kernels.gptq_common import accumulate_blocks, store_output, wait_for_previous_kernel
+from triton_kernels.gptq_common import accumulate_blocks, store_output
 
 
 @triton.jit
@@ -57,9 +57,7 @@ def gptq_gemv_kernel(
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     UNPACK: tl.constexpr = 0,  # dequantization variant (see gptq_common.accumulate_blocks)
-    USE_PDL: tl.constexpr = False,  # launched as a programmatic dependent (see gptq_common)
 ):
-    wait_for_previous_kernel(USE_PDL)
     # --- which output columns and which slice of K this program owns
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)

@@ -32,7 +32,6 @@ from pagedq.errors import ConfigError
 
 BACKEND_ENV = "PAGEDQ_GPTQ_BACKEND"
 BACKENDS = ("auto", "cuda", "triton", "torch")
-PDL_ENV = "PAGEDQ_PDL"  # "0": launch the Triton kernels without programmatic dependent launch
 
 # Dispatch thresholds on M (rows of x), set from bench/bench_gptq.py on an H200.
 CUDA_EXT_MAX_M = 1  # auto: CUDA GEMV up to here (H200: 2.50 ms vs 3.05 at M=2; Triton wins M>=2)
@@ -263,8 +262,6 @@ def _launch_triton(
         "HAS_BIAS": bias is not None, "UNPACK": cfg.unpack,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
     }  # fmt: skip
-    if use_pdl(x.device):
-        meta.update(USE_PDL=True, launch_pdl=True)
     if small:
         gemv_kernel[(-(-n // cfg.block_n), split)](*args, **meta)
     else:
@@ -299,24 +296,6 @@ def _cuda_ext_applies(x: torch.Tensor, w: PackedGPTQWeight) -> bool:
     from cuda_ext.build import gptq_ext_available
 
     return gptq_ext_available(x.device)
-
-
-def use_pdl(device: torch.device) -> bool:
-    """Launch the Triton kernels with programmatic dependent launch: on Hopper or newer GPUs,
-    unless PAGEDQ_PDL=0. The kernel may then start while the previous kernel in the stream
-    finishes (it waits for that kernel's results before touching any tensor), which hides the
-    launch gap between back-to-back matmuls, in CUDA graphs too."""
-    if device.type != "cuda" or os.environ.get(PDL_ENV, "1").strip() == "0":
-        return False
-    return _cuda_capability(
-        device.index if device.index is not None else torch.cuda.current_device()
-    ) >= (9, 0)
-
-
-@functools.cache
-def _cuda_capability(index: int) -> tuple[int, int]:
-    major, minor = torch.cuda.get_device_capability(index)
-    return int(major), int(minor)
 
 
 @functools.cache
