@@ -9,18 +9,18 @@
 namespace pagedq {
 
 // gptq_gemv.cu: out [M, N] = x [M, K] @ W^T (+ bias) for M <= 16, W packed as in
-// pagedq/ops/gptq.py; locks are split-K arrival counters (zero between calls).
+// pagedq/ops/gptq.py; locks are the split tiles' arrival counters (zero between calls).
 at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros,
                           const std::optional<at::Tensor>& bias, at::Tensor& locks,
-                          int64_t group_size, int64_t split_k);
+                          int64_t group_size);
 
 }  // namespace pagedq
 
 TORCH_LIBRARY_FRAGMENT(pagedq, m) {
   m.def(
       "gptq_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
-      "Tensor(a!) locks, int group_size, int split_k) -> Tensor");
+      "Tensor(a!) locks, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedq, CUDA, m) { m.impl("gptq_gemv", &pagedq::gptq_gemv_cuda); }

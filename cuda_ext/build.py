@@ -99,7 +99,6 @@ def _register_fakes() -> None:
         bias: torch.Tensor | None,
         locks: torch.Tensor,
         group_size: int,
-        split_k: int,
     ) -> torch.Tensor:
         return x.new_empty((x.shape[0], qweight.shape[1]))
 

@@ -1,32 +1,41 @@
-// GPTQ 4-bit GEMV for small batches (M <= 16): templated raw-pointer kernel.
+// GPTQ 4-bit matmul for small batches (M <= 16): tensor cores, weights streamed once, stream-K.
 //
 // out[m, n] = sum_k x[m, k] * (q[k, n] - z'[g, n]) * s[g, n] (+ bias[n]), fp32 accumulation.
 //
 // Layout (pagedq/ops/gptq.py, PackedGPTQWeight): qweight [Kp/8, N] int32, Kp = 128 * ceil(K/128),
-// input rows sorted by group. Block b = word rows 16b..16b+15 holds input rows 128b..128b+127;
-// nibble p + 4h (bits 4p + 16h ..) of word row 16b + r is input row 128b + 32p + 2r + h.
-// scales / zeros are [G, N] in T; zeros hold z' as exact integers (nullptr: every z' is 8);
-// group g covers sorted rows g * group_size .. (g + 1) * group_size - 1, group_size % 32 == 0
-// (so both rows of a pair, and a whole 32-row quarter p, share one group).
+// input rows sorted by group; block b = word rows 16b..16b+15 holds input rows 128b..128b+127, and
+// nibble p + 4h (bits 4p + 16h ..) of word row 16b + r is input row 128b + 32p + 2r + h. scales /
+// zeros are [G, N] in T; zeros hold z' as exact integers (nullptr: every z' is 8).
 //
-// Work split: a CTA owns kTileN = 32 output columns and the 128-row blocks of one K split.
-// Thread (tk, tn) = (threadIdx.x / 8, threadIdx.x % 8): tn picks 4 adjacent columns, read with
-// one 16-byte load per word row; tk takes whole blocks b = begin + tk, begin + tk + 16, ...
-// so one warp load covers 4 blocks x 128 contiguous bytes, and scales are read once per block.
-// The split's activations are staged in shared memory once, permuted so that the 8 values one
-// word multiplies are a single 16-byte read in the order the dequantization produces them.
+// Work split. Items are (column tile of kTileN = 64 columns, 128-row block), in tile-major order.
+// The grid is persistent (one CTA per resident slot) and CTA c owns the contiguous item range
+// [c * items / C, (c + 1) * items / C): every SM streams the same bytes whatever the layer's shape
+// ("stream-K"). A CTA walks its range one tile segment at a time; warp w takes the segment's
+// blocks w, w + 4, ... through its own ring of shared-memory slots filled by cp.async, keeping
+// STAGES - 1 blocks in flight while it computes one. Each lane reads back only what it copied,
+// so the ring needs cp.async waits and no barriers. The next segment's first loads are issued
+// before the current segment's partial sums are flushed.
 //
-// Dequantization in registers: ((word >> 4p) & 0x000F000F) | MAGIC read as a T pair is
-// (MAGIC + q, MAGIC + q') of rows (32p + 2r, 32p + 2r + 1) exactly; subtracting (MAGIC + z') is
-// exact and the scale multiply rounds once. The products of one or two words (kWordsPerSum) are
-// summed in the pair type (at most 8 per lane), and those sums accumulate in fp32.
+// Warp tile. Lane (g, t) = (lane / 4, lane % 4) copies word rows 4t + j (j = 0..3) of columns
+// 4g..4g+3 and 32+4g..32+4g+3 (16 bytes each: a warp copy is 4 rows x 2 x 128 bytes). mma
+// m16n8k16 takes the weights as A: the 16 rows of n-tile c = 0..3 are columns {4g + c, 32 + 4g +
+// c}, and A's k pairs (2t, 2t + 8) are a word's nibble pairs (2pp, 2pp + 1), i.e. input rows
+// 32p + 8t + 2j + h. B (activations, 8 tokens per n8 tile) is then x[token][32p + 8t .. + 7]: one
+// 16-byte copy per (p, token tile) per block. One mma per weight word.
 //
-// Split-K: each CTA writes its fp32 partial tile to workspace[split]; the last CTA of a column
-// tile to arrive (counter in locks) sums the partials in split order, adds the bias, writes T
-// and resets its counter to 0, so locks is all zeros between launches.
+// Dequantization. ((word >> 4p) & 0x000F000F) | MAGIC read as a T pair is (MAGIC + q, MAGIC + q')
+// exactly (fp16 MAGIC 1024, bf16 128); subtracting MAGIC + z' is exact. With one group per block
+// the mma runs on those exact integers and the fp32 block sums are scaled once; with 32- or
+// 64-row groups the pairs are scaled in T first (one rounding, as in the reference).
 //
-// The helpers are __host__ __device__ where possible so cuda_ext/host_check.cu can run the
-// per-thread arithmetic on the CPU.
+// Split tiles. A CTA's partial sums for a tile it shares go to workspace slot tile + cta (unique:
+// along the staircase of (tile, cta) pairs both only grow). The last of the tile's contributors to
+// arrive (counter in locks) sums the slots in CTA order, so results do not depend on timing, and
+// resets the counter: locks is all zeros between launches.
+//
+// PDL (programmatic dependent launch, sm_90+): each CTA lets the next kernel launch at once and
+// copies its first weights before waiting for the previous kernel; x, out, workspace and locks
+// are only touched after the wait.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,369 +43,453 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstring>
 
 namespace pagedq {
 namespace gptq {
 
-constexpr int kBlockK = 128;    // input rows per packed block
-constexpr int kWordRows = 16;   // int32 word rows per block (8 nibbles each)
-constexpr int kCols = 4;        // output columns per thread: one 16-byte load
-constexpr int kThreadsN = 8;    // threads along N per CTA
-constexpr int kThreadsK = 16;   // threads along K per CTA, each taking whole blocks
-constexpr int kThreads = kThreadsN * kThreadsK;
-constexpr int kWarps = kThreads / 32;
-constexpr int kTileN = kThreadsN * kCols;     // output columns per CTA
-constexpr int kRowChunk = 8;                  // word rows loaded before they are consumed
-// words whose products are summed in T2 before an fp32 add: 2 saves conversions at small M,
-// 1 keeps registers in check at large M
-template <int M_TILE>
-constexpr int kWordsPerSum = M_TILE <= 4 ? 2 : 1;
-constexpr int kMaxStagedBytes = 48 * 1024;    // staged activations per CTA (no smem opt-in)
+constexpr int kBlockK = 128;  // input rows per packed block
+constexpr int kTileN = 64;    // output columns per tile (one warp covers all of them)
+constexpr int kWarps = 4;     // warps per CTA
+constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 3;    // ring slots per warp (H200: 3 beat 4 at every layer shape)
 
-// T (__half or __nv_bfloat16) and its pair type, with the exponent trick's magic number.
 template <typename T>
-struct Pair;
+struct Dtype;
 
 template <>
-struct Pair<__half> {
+struct Dtype<__half> {
   using T2 = __half2;
   static constexpr uint32_t kMagicBits = 0x64006400u;  // (1024, 1024)
-  static constexpr float kMagic = 1024.0f;
-  __host__ __device__ static float to_float(__half v) { return __half2float(v); }
-  __host__ __device__ static __half from_float(float v) { return __float2half_rn(v); }
-  __host__ __device__ static float2 to_float2(__half2 v) { return __half22float2(v); }
-  __host__ __device__ static __half2 make(float lo, float hi) { return __floats2half2_rn(lo, hi); }
+  __device__ static float to_float(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+  __device__ static uint16_t from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
+  __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
 };
 
 template <>
-struct Pair<__nv_bfloat16> {
+struct Dtype<__nv_bfloat16> {
   using T2 = __nv_bfloat162;
   static constexpr uint32_t kMagicBits = 0x43004300u;  // (128, 128)
-  static constexpr float kMagic = 128.0f;
-  __host__ __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __host__ __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-  __host__ __device__ static float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
-  __host__ __device__ static __nv_bfloat162 make(float lo, float hi) {
-    return __floats2bfloat162_rn(lo, hi);
+  __device__ static float to_float(uint16_t bits) {
+    return __bfloat162float(__ushort_as_bfloat16(bits));
+  }
+  __device__ static uint16_t from_float(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+  __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
 
+// Pair arithmetic on raw 32-bit registers holding two T values.
 template <typename T>
-struct GemvParams {
-  const T* x;              // [M, K], row stride x_stride, unit stride along K
-  const int32_t* qweight;  // [Kp/8, N] block-interleaved nibbles
-  const T* scales;         // [G, N]
-  const T* zeros;          // [G, N] z', or nullptr: every z' is 8
-  const T* bias;           // [N] or nullptr
-  T* out;                  // [M, N] contiguous
-  float* workspace;        // [split, M, N] fp32 when split > 1
-  int32_t* locks;          // [>= ceil(N / kTileN)] arrival counters, zero between launches
+__device__ inline uint32_t pair_op(uint32_t a, uint32_t b, int op) {
+  using T2 = typename Dtype<T>::T2;
+  const T2 x = *reinterpret_cast<const T2*>(&a), y = *reinterpret_cast<const T2*>(&b);
+  const T2 r = op == 0 ? __hadd2(x, y) : op == 1 ? __hsub2(x, y) : __hmul2(x, y);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+struct Params {
+  const void* x;           // [M, K] T, row stride x_stride elements (16-byte aligned rows)
+  const int32_t* qweight;  // [Kp/8, N]
+  const void* scales;      // [G, N] T
+  const void* zeros;       // [G, N] T (z'), or nullptr: every z' is 8
+  const void* bias;        // [N] T or nullptr
+  void* out;               // [M, N] T contiguous
+  float* workspace;        // [tiles + ctas, M, kTileN] fp32 partial tiles
+  int32_t* locks;          // [>= tiles] arrival counters, zero between launches
   int64_t x_stride;
-  int M, N, K;
+  int M, N, K;             // K % 8 == 0, N % 8 == 0
   int group_size, num_groups;
-  int blocks_per_split, split;
+  int tiles, num_blocks;   // ceil(N / kTileN), ceil(K / kBlockK)
 };
 
-// Staged position of activation kl (counted from the split's first input row): the 8 values a
-// word row multiplies are adjacent, pair p = rows (32p + 2r, 32p + 2r + 1) at slots 2p, 2p + 1.
-__host__ __device__ inline int staged_index(int kl) {
-  const int block = kl / kBlockK;
-  const int in_block = kl % kBlockK;  // = 32 p + 2 r + h
-  const int p = in_block / 32, r = (in_block % 32) / 2, h = in_block % 2;
-  return block * kBlockK + r * 8 + 2 * p + h;
+// One block's operands for one lane, in registers.
+template <int MT, bool PQ>
+struct Stage {
+  static constexpr int kQ = PQ ? 4 : 1;  // scale rows per block: per 32-row quarter p, or one
+  uint4 words[4][2];   // [j][h]: word row 4t + j, columns 4g.. (h = 0) / 32 + 4g.. (h = 1)
+  uint4 x[MT][4];      // [token tile][p]: x[8 tt + g][128 b + 32 p + 8 t .. + 7]
+  uint2 scale[2][kQ];  // [h][q]: the 4 columns' scales
+  uint2 zero[2][kQ];   // the 4 columns' z' (unused without zeros)
+};
+
+// One warp's ring slot for one block. Word row r sits at word_offset(r), so the 16-byte reads of
+// the 8 lanes of a shared-memory phase hit distinct banks; x and params are lane-interleaved.
+template <int TOK, bool PQ>
+struct Slot {
+  static constexpr int kMT = TOK > 8 ? 2 : 1;     // 8-token tiles
+  static constexpr int kTPT = TOK < 8 ? TOK : 8;  // tokens per tile: lanes g < kTPT hold x
+  static constexpr int kQ = Stage<kMT, PQ>::kQ;
+  static constexpr int kWordBytes = 16 * 256 + 3 * 32 + 32;
+  alignas(16) unsigned char words[kWordBytes];
+  uint4 x[4 * kMT][4 * kTPT];  // lane g * 4 + t (g < kTPT)
+  uint2 params[4 * kQ][32];    // scale[h][q] at 2 (h kQ + q), zero at 2 (h kQ + q) + 1
+};
+
+// Rows 4t + j of the 4 t lanes of one phase land 32 bytes apart mod 128 bytes.
+__device__ inline int word_offset(int r) { return 256 * r + 32 * (r / 4); }
+
+__device__ inline uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-template <typename T2>
-__host__ __device__ inline T2 bits_to_pair(uint32_t bits) {
-  T2 v;
-  memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
-template <typename T2>
-__host__ __device__ inline T2 fma2(T2 a, T2 b, T2 c) {
-#ifdef __CUDA_ARCH__
-  return __hfma2(a, b, c);
-#else
-  return __hadd2(__hmul2(a, b), c);  // host check only: one extra rounding
-#endif
-}
-
-// (bits & mask) | magic in one LOP3 (plain C++ leaves two: one per immediate).
-template <uint32_t kMask, uint32_t kMagic>
-__host__ __device__ inline uint32_t and_or(uint32_t bits) {
-#ifdef __CUDA_ARCH__
-  uint32_t out;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(bits), "n"(kMask), "n"(kMagic));
-  return out;
-#else
-  return (bits & kMask) | kMagic;
-#endif
-}
-
-// The 8 weights of one word as 4 pairs: w[p] = ((q_p, q_{p+4}) - z') * s, exact up to the multiply.
-template <typename T>
-__host__ __device__ inline void dequant_word(uint32_t word, const typename Pair<T>::T2 (&scale)[4],
-                                             const typename Pair<T>::T2 (&zero_biased)[4],
-                                             typename Pair<T>::T2 (&w)[4]) {
-  using T2 = typename Pair<T>::T2;
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const uint32_t bits = and_or<0x000F000Fu, Pair<T>::kMagicBits>(word >> (4 * p));
-    w[p] = __hmul2(__hsub2(bits_to_pair<T2>(bits), zero_biased[p]), scale[p]);
+// cp.async of kBytes (16 or 8) from src, zero-filled when !valid (src is not read then).
+template <int kBytes>
+__device__ inline void cp_async(void* dst, const void* src, bool valid) {
+  const int src_bytes = valid ? kBytes : 0;
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(src_bytes));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(src_bytes));
   }
 }
-
-// sum += w_j * x_j over the 8 weights of one word, in T2 (4 products per lane).
-template <typename T>
-__host__ __device__ inline typename Pair<T>::T2 dot_word(const typename Pair<T>::T2 (&w)[4],
-                                                         const typename Pair<T>::T2 (&x)[4],
-                                                         typename Pair<T>::T2 sum) {
-#pragma unroll
-  for (int p = 0; p < 4; ++p) sum = fma2(w[p], x[p], sum);
-  return sum;
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// Both lanes of a T2 partial sum, added in fp32.
-template <typename T>
-__host__ __device__ inline float fold(typename Pair<T>::T2 sum) {
-  const float2 f = Pair<T>::to_float2(sum);
-  return f.x + f.y;
-}
-
-// Four adjacent values of T as floats (one 8-byte load on the device).
-template <typename T>
-__host__ __device__ inline void load_cols(const T* ptr, float (&v)[kCols]) {
-  T t[kCols];
-#ifdef __CUDA_ARCH__
-  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(ptr));
-  memcpy(t, &raw, sizeof(raw));
-#else
-  memcpy(t, ptr, sizeof(t));
+__device__ inline void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) v[c] = Pair<T>::to_float(t[c]);
 }
-
-// One word row of 4 columns (16 bytes, streamed: the weights are read once per call).
-__host__ __device__ inline uint4 load_words(const int32_t* ptr) {
-#ifdef __CUDA_ARCH__
-  return __ldcs(reinterpret_cast<const uint4*>(ptr));
-#else
-  uint4 v;
-  memcpy(&v, ptr, sizeof(v));
-  return v;
+__device__ inline void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
-// Ask L2 for a block's 16 word rows of 4 columns, so the fetch overlaps activation staging.
-__device__ inline void prefetch_block(const int32_t* qweight, int b, int n, int n0) {
-  const int32_t* wp = qweight + static_cast<int64_t>(b) * kWordRows * n + n0;
-#pragma unroll
-  for (int r = 0; r < kWordRows; ++r) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + static_cast<int64_t>(r) * n));
-  }
+// Group row of quarter q of block b (q = 0 for block-wide groups), clamped for padded rows.
+__device__ inline int64_t group_row(const Params& p, int b, int q) {
+  const int grp = (b * kBlockK + 32 * q) / p.group_size;
+  return grp < p.num_groups - 1 ? grp : p.num_groups - 1;
 }
 
-// Scale and MAGIC + z' of the 4 row quarters p of block b (rows 128b + 32p ..), columns n0..n0+3.
-template <typename T>
-__host__ __device__ inline void load_group_params(const GemvParams<T>& p, int b, int n0,
-                                                  typename Pair<T>::T2 (&scale)[kCols][4],
-                                                  typename Pair<T>::T2 (&zero)[kCols][4]) {
-  const bool one_per_block = p.num_groups == 1 || p.group_size % kBlockK == 0;
-  float s[4][kCols];
-  float z[4][kCols];
+// Copy this lane's share of block b into `slot`: weights, scales and zeros, and/or x.
+template <int TOK, bool PQ>
+__device__ inline void issue_slot(const Params& p, int tile, int b, Slot<TOK, PQ>& slot,
+                                  bool with_weights, bool with_x) {
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  if (with_weights) {
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    if (q > 0 && one_per_block) {
+    for (int h = 0; h < 2; ++h) {
+      const int col = tile * kTileN + 32 * h + 4 * g;
+      const bool ok = col < p.N;  // N % 8 == 0: the 4 columns exist together
+      const int32_t* wp = p.qweight + (static_cast<int64_t>(b) * 16 + 4 * t) * p.N + col;
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        s[q][c] = s[0][c];
-        z[q][c] = z[0][c];
+      for (int j = 0; j < 4; ++j) {
+        cp_async<16>(slot.words + word_offset(4 * t + j) + 16 * g + 128 * h,
+                     wp + static_cast<int64_t>(j) * p.N, ok);
       }
-      continue;
-    }
-    int g = (b * kBlockK + q * 32) / p.group_size;
-    g = g < p.num_groups - 1 ? g : p.num_groups - 1;  // rows past K clamp (their x is 0)
-    const int64_t offset = static_cast<int64_t>(g) * p.N + n0;
-    load_cols<T>(p.scales + offset, s[q]);
-    if (p.zeros != nullptr) {
-      load_cols<T>(p.zeros + offset, z[q]);
-    } else {
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) z[q][c] = 8.0f;
+      for (int q = 0; q < Slot<TOK, PQ>::kQ; ++q) {
+        const int64_t at = group_row(p, b, q) * p.N + col;
+        const int e = 2 * (h * Slot<TOK, PQ>::kQ + q);
+        cp_async<8>(&slot.params[e][lane], static_cast<const uint16_t*>(p.scales) + at, ok);
+        if (p.zeros != nullptr) {
+          cp_async<8>(&slot.params[e + 1][lane], static_cast<const uint16_t*>(p.zeros) + at, ok);
+        }
+      }
+    }
+  }
+  if (with_x && g < Slot<TOK, PQ>::kTPT) {
+#pragma unroll
+    for (int tt = 0; tt < Slot<TOK, PQ>::kMT; ++tt) {
+      const int m = 8 * tt + g;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int k = b * kBlockK + 32 * q + 8 * t;
+        const bool valid = m < p.M && k < p.K;  // K % 8 == 0: the 8 rows exist together
+        const void* src =
+            valid ? static_cast<const uint16_t*>(p.x) + static_cast<int64_t>(m) * p.x_stride + k
+                  : p.x;
+        cp_async<16>(&slot.x[4 * tt + q][lane], src, valid);
+      }
+    }
+  }
+}
+
+template <int TOK, bool PQ>
+__device__ inline void read_slot(const Params& p, const Slot<TOK, PQ>& slot,
+                                 Stage<Slot<TOK, PQ>::kMT, PQ>& s) {
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      s.words[j][h] = *reinterpret_cast<const uint4*>(slot.words + word_offset(4 * t + j) +
+                                                      16 * g + 128 * h);
     }
   }
 #pragma unroll
-  for (int c = 0; c < kCols; ++c) {
+  for (int tt = 0; tt < Slot<TOK, PQ>::kMT; ++tt) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      scale[c][q] = Pair<T>::make(s[q][c], s[q][c]);
-      zero[c][q] = Pair<T>::make(Pair<T>::kMagic + z[q][c], Pair<T>::kMagic + z[q][c]);
+      s.x[tt][q] = g < Slot<TOK, PQ>::kTPT ? slot.x[4 * tt + q][lane] : make_uint4(0, 0, 0, 0);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int q = 0; q < Stage<Slot<TOK, PQ>::kMT, PQ>::kQ; ++q) {
+      const int e = 2 * (h * Slot<TOK, PQ>::kQ + q);
+      s.scale[h][q] = slot.params[e][lane];
+      s.zero[h][q] = p.zeros != nullptr ? slot.params[e + 1][lane] : make_uint2(0, 0);
     }
   }
 }
 
-// acc[m][c] += sum over block b of x[m, k] * W^T[k, n0 + c]; staged = this split's activations.
-template <typename T, int M_TILE>
-__host__ __device__ inline void accumulate_block(const GemvParams<T>& p, const T* staged, int span,
-                                                 int b, int b_local, int n0,
-                                                 float (&acc)[M_TILE][kCols]) {
-  using T2 = typename Pair<T>::T2;
-  T2 scale[kCols][4];
-  T2 zero[kCols][4];
-  load_group_params<T>(p, b, n0, scale, zero);
-  const int32_t* wp = p.qweight + static_cast<int64_t>(b) * kWordRows * p.N + n0;
-  const T* xb = staged + b_local * kBlockK;
+// (bits & 0x000F000F) | magic in one LOP3.
+__device__ inline uint32_t nibble_pair(uint32_t bits, uint32_t magic) {
+  uint32_t out;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(bits), "n"(0x000F000F), "r"(magic));
+  return out;
+}
+
+__device__ inline uint32_t word_of(const uint4& v, int c) {
+  return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+}
+
+// Element c of 4 packed 16-bit values, in both halves (one PRMT).
+__device__ inline uint32_t half_of(const uint2& v, int c) {
+  return __byte_perm(c < 2 ? v.x : v.y, 0, c % 2 == 0 ? 0x1010 : 0x3232);
+}
+
+// acc[tt][c] += this block's products (n-tile c, token tile tt).
+template <typename T, int MT, bool PQ>
+__device__ inline void compute(const Stage<MT, PQ>& s, bool has_zeros, float (&acc)[MT][4][4]) {
+  constexpr uint32_t kMagic = Dtype<T>::kMagicBits;
+  constexpr uint32_t kDefaultZero = kMagic + 0x00080008u;  // MAGIC + 8 in both halves, exact
 #pragma unroll
-  for (int r0 = 0; r0 < kWordRows; r0 += kRowChunk) {
-    uint4 words[kRowChunk];
+  for (int c = 0; c < 4; ++c) {
+    uint32_t zb[2][4], sc[2][4];  // [h][p]: MAGIC + z' and scale of column 4g + c (+ 32 h)
 #pragma unroll
-    for (int r = 0; r < kRowChunk; ++r) {
-      words[r] = load_words(wp + static_cast<int64_t>(r0 + r) * p.N);
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int qi = PQ ? q : 0;
+        sc[h][q] = half_of(s.scale[h][qi], c);
+        // MAGIC + z' is exact: z' <= 16 lands on an integer step of MAGIC's binade
+        zb[h][q] = has_zeros ? pair_op<T>(kMagic, half_of(s.zero[h][qi], c), 0) : kDefaultZero;
+      }
     }
+    float part[MT][4] = {};  // block sums on exact integers (one group per block)
 #pragma unroll
-    for (int r = 0; r < kRowChunk; r += kWordsPerSum<M_TILE>) {
-      T2 sums[M_TILE][kCols];  // products of kWordsPerSum words, summed in T2 per lane
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t w[2] = {word_of(s.words[j][0], c), word_of(s.words[j][1], c)};
+      uint32_t deq[2][4];  // [h][p]: rows (32p + 8t + 2j, + 1) of column 4g + c (+ 32 h)
 #pragma unroll
-      for (int i = 0; i < kWordsPerSum<M_TILE>; ++i) {
-        const uint4 row = words[r + i];
-        const uint32_t cols[kCols] = {row.x, row.y, row.z, row.w};
-        T2 w[kCols][4];
+      for (int h = 0; h < 2; ++h) {
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) dequant_word<T>(cols[c], scale[c], zero[c], w[c]);
-#pragma unroll
-        for (int m = 0; m < M_TILE; ++m) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(xb + m * span + (r0 + r + i) * 8);
-          T2 xv[4];
-          memcpy(xv, &raw, sizeof(raw));
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) {
-            sums[m][c] = dot_word<T>(w[c], xv, i == 0 ? Pair<T>::make(0.0f, 0.0f) : sums[m][c]);
-          }
+        for (int q = 0; q < 4; ++q) {
+          deq[h][q] = pair_op<T>(nibble_pair(w[h] >> (4 * q), kMagic), zb[h][q], 1);
+          if constexpr (PQ) deq[h][q] = pair_op<T>(deq[h][q], sc[h][q], 2);
         }
       }
 #pragma unroll
-      for (int m = 0; m < M_TILE; ++m) {
+      for (int pp = 0; pp < 2; ++pp) {
+        const uint32_t a[4] = {deq[0][2 * pp], deq[1][2 * pp], deq[0][2 * pp + 1],
+                               deq[1][2 * pp + 1]};
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) acc[m][c] += fold<T>(sums[m][c]);
+        for (int tt = 0; tt < MT; ++tt) {
+          Dtype<T>::mma(PQ ? acc[tt][c] : part[tt], a, word_of(s.x[tt][2 * pp], j),
+                        word_of(s.x[tt][2 * pp + 1], j));
+        }
+      }
+    }
+    if constexpr (!PQ) {
+      const float s0 = Dtype<T>::to_float(static_cast<uint16_t>(sc[0][0]));  // column 4g + c
+      const float s1 = Dtype<T>::to_float(static_cast<uint16_t>(sc[1][0]));  // 32 + 4g + c
+#pragma unroll
+      for (int tt = 0; tt < MT; ++tt) {
+        acc[tt][c][0] += part[tt][0] * s0;
+        acc[tt][c][1] += part[tt][1] * s0;
+        acc[tt][c][2] += part[tt][2] * s1;
+        acc[tt][c][3] += part[tt][3] * s1;
       }
     }
   }
 }
 
-// Copy x[0:M_TILE, k_begin : k_begin + span] into shared memory in staged order (0 past M, K).
-template <typename T, int M_TILE>
-__device__ inline void stage_activations(const GemvParams<T>& p, T* staged, int k_begin, int span) {
-  const T zero = Pair<T>::from_float(0.0f);
+// Sum the warps' accumulators into red[token * kTileN + col] (kWarps planes of fp32 in smem).
+template <int MT>
+__device__ inline void reduce_warps(const float (&acc)[MT][4][4], float* red) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  constexpr int kPlane = 8 * MT * kTileN;
+  float* mine = red + warp * kPlane;
 #pragma unroll
-  for (int m = 0; m < M_TILE; ++m) {
-    const T* row = p.x + m * p.x_stride + k_begin;
-    const int valid = m < p.M ? min(span, p.K - k_begin) : 0;  // coalesced reads along K
-    for (int kl = threadIdx.x; kl < span; kl += kThreads) {
-      staged[m * span + staged_index(kl)] = kl < valid ? row[kl] : zero;
-    }
-  }
-}
-
-// Sum the threads' accumulators into partial[m * kTileN + col] (partial: kWarps tiles of smem).
-template <int M_TILE>
-__device__ inline void reduce_tile(float (&acc)[M_TILE][kCols], float* partial) {
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  for (int tt = 0; tt < MT; ++tt) {
 #pragma unroll
-  for (int m = 0; m < M_TILE; ++m) {
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      float v = acc[m][c];  // lanes tn, tn + 8, tn + 16, tn + 24 hold the same columns
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
-      acc[m][c] = v;
-    }
-  }
-  if (lane < kThreadsN) {
-    float* mine = partial + warp * M_TILE * kTileN;
-#pragma unroll
-    for (int m = 0; m < M_TILE; ++m) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) mine[m * kTileN + lane * kCols + c] = acc[m][c];
+    for (int c = 0; c < 4; ++c) {
+      const int col0 = 4 * g + c, col1 = 32 + 4 * g + c, tok = 8 * tt + 2 * t;
+      mine[tok * kTileN + col0] = acc[tt][c][0];
+      mine[(tok + 1) * kTileN + col0] = acc[tt][c][1];
+      mine[tok * kTileN + col1] = acc[tt][c][2];
+      mine[(tok + 1) * kTileN + col1] = acc[tt][c][3];
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < M_TILE * kTileN; i += kThreads) {
-    float v = 0.0f;
+  for (int i = threadIdx.x; i < kPlane; i += kThreads) {
+    float v = red[i];
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) v += partial[w * M_TILE * kTileN + i];
-    partial[i] = v;  // only this thread touches index i of every warp's tile
+    for (int w = 1; w < kWarps; ++w) v += red[w * kPlane + i];
+    red[i] = v;
   }
   __syncthreads();
 }
 
-// Write the CTA's [M_TILE, kTileN] sums (+ bias), or with split-K reduce them in the last CTA.
-template <typename T, int M_TILE>
-__device__ inline void write_tile(const GemvParams<T>& p, const float* partial) {
-  const int col0 = blockIdx.x * kTileN;
-  if (p.split > 1) {
-    float* ws = p.workspace + static_cast<int64_t>(blockIdx.y) * p.M * p.N;
-    for (int i = threadIdx.x; i < M_TILE * kTileN; i += kThreads) {
-      const int m = i / kTileN, n = col0 + i % kTileN;
-      if (m < p.M && n < p.N) ws[static_cast<int64_t>(m) * p.N + n] = partial[i];
-    }
-    __threadfence();  // publish the partial before counting this CTA in
-    __syncthreads();
-    __shared__ int is_last;
-    if (threadIdx.x == 0) is_last = atomicAdd(p.locks + blockIdx.x, 1) == p.split - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-  }
-  for (int i = threadIdx.x; i < M_TILE * kTileN; i += kThreads) {
-    const int m = i / kTileN, n = col0 + i % kTileN;
-    if (m >= p.M || n >= p.N) continue;
-    const int64_t at = static_cast<int64_t>(m) * p.N + n;
-    float v = partial[i];
-    if (p.split > 1) {
-      v = 0.0f;  // fixed split order: deterministic
-      const int64_t plane = static_cast<int64_t>(p.M) * p.N;
-      for (int s = 0; s < p.split; ++s) v += __ldcg(p.workspace + s * plane + at);
-    }
-    if (p.bias != nullptr) v += Pair<T>::to_float(p.bias[n]);
-    p.out[at] = Pair<T>::from_float(v);
-  }
-  if (p.split > 1 && threadIdx.x == 0) atomicExch(p.locks + blockIdx.x, 0);
+// The CTA owning item i when `items` are split over `ctas` (ctas <= items).
+__device__ inline int owner(int64_t i, int64_t items, int ctas) {
+  return static_cast<int>(((i + 1) * ctas - 1) / items);
 }
 
-template <typename T, int M_TILE>
-__global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const GemvParams<T> p) {
+template <typename T>
+__device__ inline void write_out(const Params& p, int tile, int m, int col, float v) {
+  const int n = tile * kTileN + col;
+  if (p.bias != nullptr) v += Dtype<T>::to_float(static_cast<const uint16_t*>(p.bias)[n]);
+  static_cast<uint16_t*>(p.out)[static_cast<int64_t>(m) * p.N + n] = Dtype<T>::from_float(v);
+}
+
+// Write the CTA's sums for `tile`: directly when it owns the whole tile, else through the
+// workspace, the last contributor to arrive reducing in CTA order.
+template <typename T>
+__device__ inline void flush(const Params& p, int tile, bool whole, const float* red,
+                             int64_t items, int ctas) {
+  const int valid = p.M * kTileN;  // red rows past M are not written
+  if (whole) {
+    for (int i = threadIdx.x; i < valid; i += kThreads) {
+      if (tile * kTileN + i % kTileN < p.N) write_out<T>(p, tile, i / kTileN, i % kTileN, red[i]);
+    }
+    return;
+  }
+  const int64_t slot_size = static_cast<int64_t>(p.M) * kTileN;
+  float* slot = p.workspace + (tile + static_cast<int64_t>(blockIdx.x)) * slot_size;
+  for (int i = threadIdx.x; i < valid; i += kThreads) slot[i] = red[i];
+  __threadfence();  // publish the partial before counting this CTA in
+  __syncthreads();
+  const int first = owner(static_cast<int64_t>(tile) * p.num_blocks, items, ctas);
+  const int last = owner(static_cast<int64_t>(tile + 1) * p.num_blocks - 1, items, ctas);
+  __shared__ int is_last;
+  if (threadIdx.x == 0) is_last = atomicAdd(p.locks + tile, 1) == last - first;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < valid; i += kThreads) {
+    float v = 0.0f;  // fixed CTA order: deterministic
+    for (int c = first; c <= last; ++c) v += __ldcg(p.workspace + (tile + c) * slot_size + i);
+    if (tile * kTileN + i % kTileN < p.N) write_out<T>(p, tile, i / kTileN, i % kTileN, v);
+  }
+  if (threadIdx.x == 0) p.locks[tile] = 0;
+}
+
+// A CTA's run of blocks [b0, b1) in one column tile; warp w takes blocks b0 + w + i kWarps.
+struct Segment {
+  int tile, b0, b1, count, warp;
+  __device__ int block(int i) const { return b0 + warp + i * kWarps; }
+};
+
+__device__ inline Segment segment_at(const Params& p, int64_t item, int64_t end, int warp) {
+  Segment s;
+  s.tile = static_cast<int>(item / p.num_blocks);
+  s.b0 = static_cast<int>(item % p.num_blocks);
+  const int64_t left = end - item;
+  s.b1 = left < p.num_blocks - s.b0 ? s.b0 + static_cast<int>(left) : p.num_blocks;
+  s.count = s.b1 - s.b0 > warp ? (s.b1 - s.b0 - warp + kWarps - 1) / kWarps : 0;
+  s.warp = warp;
+  return s;
+}
+
+// Dynamic shared memory of one CTA: each warp's ring, then the reduction planes.
+template <int TOK, bool PQ>
+constexpr size_t smem_bytes() {
+  return sizeof(Slot<TOK, PQ>) * kStages * kWarps +
+         sizeof(float) * kWarps * 8 * Slot<TOK, PQ>::kMT * kTileN;
+}
+
+template <typename T, int TOK, bool PQ>
+__global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
+  constexpr int MT = Slot<TOK, PQ>::kMT;
   extern __shared__ __align__(16) unsigned char smem[];
-  T* staged = reinterpret_cast<T*>(smem);  // [M_TILE, span] activations in staged order
+  const int warp = threadIdx.x / 32;
+  Slot<TOK, PQ>* ring = reinterpret_cast<Slot<TOK, PQ>*>(smem) + warp * kStages;
+  float* red = reinterpret_cast<float*>(smem + sizeof(Slot<TOK, PQ>) * kStages * kWarps);
+  pdl_launch_dependents();
 
-  // --- this CTA's columns and K split
-  const int tn = threadIdx.x % kThreadsN;
-  const int tk = threadIdx.x / kThreadsN;
-  const int n0 = blockIdx.x * kTileN + tn * kCols;
-  const int num_blocks = (p.K + kBlockK - 1) / kBlockK;
-  const int b_begin = blockIdx.y * p.blocks_per_split;
-  const int b_end = min(b_begin + p.blocks_per_split, num_blocks);
-  const int span = max(b_end - b_begin, 0) * kBlockK;
+  const int ctas = gridDim.x;
+  const int64_t items = static_cast<int64_t>(p.tiles) * p.num_blocks;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * items / ctas;
+  const int64_t end = static_cast<int64_t>(blockIdx.x + 1) * items / ctas;
+  const bool has_zeros = p.zeros != nullptr;
+  uint32_t issued = 0, consumed = 0;  // this warp's blocks so far (ring slot = count % kStages)
 
-  // --- stage activations (first weight block already on its way), stream the weights once
-  if (n0 < p.N && b_begin + tk < b_end) prefetch_block(p.qweight, b_begin + tk, p.N, n0);
-  stage_activations<T, M_TILE>(p, staged, b_begin * kBlockK, span);
-  __syncthreads();
-  float acc[M_TILE][kCols] = {};
-  if (n0 < p.N) {  // N % 8 == 0, so n0 < N means all 4 columns exist
-    for (int b = b_begin + tk; b < b_end; b += kThreadsK) {
-      accumulate_block<T, M_TILE>(p, staged, span, b, b - b_begin, n0, acc);
-    }
+  // --- the first segment's weights go out before waiting for the previous kernel
+  Segment seg = segment_at(p, begin, end, warp);
+  int64_t item = begin + (seg.b1 - seg.b0);
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < seg.count) issue_slot<TOK, PQ>(p, seg.tile, seg.block(i), ring[i], true, false);
   }
-  __syncthreads();  // the staged activations are dead: reuse the smem for the reduction
+  pdl_wait();  // x is the previous kernel's output; out, workspace, locks may be its inputs
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < seg.count) {
+      issue_slot<TOK, PQ>(p, seg.tile, seg.block(i), ring[i], false, true);
+      ++issued;
+    }
+    cp_async_commit();  // one group per ring step, empty ones too: the waits count groups
+  }
 
-  // --- reduce over the K threads, then write (or split-K fix-up)
-  float* partial = reinterpret_cast<float*>(smem);
-  reduce_tile<M_TILE>(acc, partial);
-  write_tile<T, M_TILE>(p, partial);
+  while (true) {
+    float acc[MT][4][4] = {};
+    for (int i = 0; i < seg.count; ++i) {
+      cp_async_wait<kStages - 2>();  // block i has landed
+      Stage<MT, PQ> cur;
+      read_slot<TOK, PQ>(p, ring[consumed % kStages], cur);
+      ++consumed;
+      if (i + kStages - 1 < seg.count) {  // refill the slot read in the previous step
+        issue_slot<TOK, PQ>(p, seg.tile, seg.block(i + kStages - 1), ring[issued % kStages], true,
+                            true);
+        ++issued;
+      }
+      cp_async_commit();
+      compute<T, MT, PQ>(cur, has_zeros, acc);
+    }
+    // --- start the next segment's copies (the ring is drained), then flush this one
+    const Segment done = seg;
+    const bool more = item < end;
+    if (more) {
+      seg = segment_at(p, item, end, warp);
+      item += seg.b1 - seg.b0;
+#pragma unroll
+      for (int i = 0; i < kStages - 1; ++i) {
+        if (i < seg.count) {
+          issue_slot<TOK, PQ>(p, seg.tile, seg.block(i), ring[issued % kStages], true, true);
+          ++issued;
+        }
+        cp_async_commit();
+      }
+    }
+    reduce_warps<MT>(acc, red);
+    flush<T>(p, done.tile, done.b0 == 0 && done.b1 == p.num_blocks, red, items, ctas);
+    __syncthreads();  // red is reused by the next segment
+    if (!more) break;
+  }
+  cp_async_wait<0>();
 }
 
 }  // namespace gptq

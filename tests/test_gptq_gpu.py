@@ -20,8 +20,8 @@ pytestmark = [
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (K, N)
 MS = [1, 2, 16, 17, 64, 256]
-# Weights are rounded to the dtype once and outputs once; the CUDA GEMV also sums the 8
-# products of a word in the dtype. Relative to the largest output: fp16 2**-11, bf16 2**-8.
+# Weights are rounded to the dtype once (or not at all: the CUDA kernel scales exact integer sums
+# for 128-row groups) and outputs once. Relative to the largest output: fp16 2**-11, bf16 2**-8.
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
@@ -124,7 +124,7 @@ def test_custom_op_has_a_fake_kernel_and_compiles(layers, monkeypatch) -> None: 
 
     def call(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.pagedq.gptq_gemv(
-            x, packed.qweight, packed.scales, None, None, packed.locks, 128, 2
+            x, packed.qweight, packed.scales, None, None, packed.locks, 128
         )
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -149,3 +149,67 @@ def test_swept_config_variants_match_reference(layers, m, unpack, monkeypatch) -
     monkeypatch.setenv(BACKEND_ENV, "triton")
     x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
     _check(lin, x, lin(x))
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("k", "n", "group_size", "zero_mode"),
+    [
+        (4096, 200, 32, "v1"),  # 32-row groups, a partial column tile
+        (4160, 136, 64, "v2"),  # 64-row groups, K not a multiple of 128
+        (200, 40, -1, "sym_v2"),  # one group, one short block, one partial tile
+        (1024, 4096, 128, "v1"),  # asymmetric 128-row groups
+    ],
+)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16])
+def test_cuda_kernel_rows_groups_and_partial_tiles(  # type: ignore[no-untyped-def]
+    m, k, n, group_size, zero_mode, dtype, monkeypatch
+) -> None:
+    """Every token-count variant of the CUDA kernel, both scale modes, zeros, bias, odd shapes."""
+    ck = make_checkpoint(
+        seed=m + k + n, k=k, n=n, group_size=group_size, zero_mode=zero_mode,
+        desc_act=group_size > 0, bias=True,
+    )  # fmt: skip
+    lin = GPTQLinear([ck.tensors], ck.config, dtype, device="cuda")
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    if select_path(x, lin.segment(0)[0]) != "cuda":
+        pytest.skip("CUDA extension unavailable (see the warning)")
+    out = lin(x)
+    ref = reference_output(x.cpu(), [ck])
+    assert (out.double().cpu() - ref).abs().max() <= TOLERANCE[dtype] * ref.abs().max()
+    assert int(lin.segment(0)[0].locks.abs().sum()) == 0
+    assert torch.equal(lin(x), out)  # split tiles are summed in a fixed order
+
+
+def test_cuda_kernel_takes_unaligned_rows_and_chains_in_a_graph(layers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """x views with odd strides or offsets, and back-to-back dependent launches (PDL) captured in
+    one graph: each kernel must see the previous kernel's output."""
+    first, second = layers[(4096, 4096, torch.float16)], layers[(4096, 11008, torch.float16)]
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    wide = torch.randn(3, 4097, device="cuda", dtype=torch.float16)
+    x = wide[:, 1:]  # row stride 4097, start 2 bytes past the allocation
+    if select_path(x, first.segment(0)[0]) != "cuda":
+        pytest.skip("CUDA extension unavailable (see the warning)")
+    _check(first, x, first(x))
+
+    static_x = torch.randn(1, 4096, device="cuda", dtype=torch.float16)
+
+    def chain() -> torch.Tensor:
+        return second(first(first(static_x)))
+
+    expected = chain()
+    _check(second, first(first(static_x)), expected)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = chain()
+    for _ in range(3):
+        static_x.copy_(torch.randn_like(static_x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, chain())

@@ -146,10 +146,6 @@ def test_split_k_policy_has_no_empty_split(tiles: int, num_blocks: int) -> None:
     assert (split - 1) * per_split < num_blocks <= split * per_split
     if tiles > 1024:
         assert split == 1
-    for m_tile in (1, 16):
-        split, per_split = gptq_configs.cuda_split_k(m_tile, tiles * 32, num_blocks, 132, 4096)
-        assert (split - 1) * per_split < num_blocks <= split * per_split
-        assert m_tile * per_split * 128 * 2 <= gptq_configs.CUDA_SMEM_BUDGET
 
 
 # --- CUDA GEMV arithmetic on the host -----------------------------------------------------

@@ -158,11 +158,7 @@ TUNED: dict[tuple[str, int, int], ConfigTable] = {
 }
 
 SPLIT_K_WAVES = 4  # Triton: split K until the grid has about this many programs per SM
-CUDA_SPLIT_K_WAVES = 2  # the same for the CUDA GEMV (its measured setting)
 MAX_SPLIT_K = 16  # upper bound on split-K (partials cost workspace traffic)
-CUDA_MIN_BLOCKS_PER_CTA = 8  # CUDA GEMV: keep at least this many 128-row blocks per CTA
-CUDA_TILE_N = 32  # output columns per CTA of the CUDA GEMV (cuda_ext/gptq_gemv.cuh kTileN)
-CUDA_SMEM_BUDGET = 48 * 1024  # bytes of staged activations per CTA (no opt-in needed)
 
 
 def small_m_config(m: int) -> KernelConfig:
@@ -223,19 +219,3 @@ def split_k(
     split = max(1, min(wanted, MAX_SPLIT_K, num_blocks // max(min_blocks, 1)))
     per_split = -(-num_blocks // split)
     return -(-num_blocks // per_split), per_split
-
-
-def cuda_split_k(
-    m_tile: int, n: int, num_blocks: int, num_sms: int, max_tiles: int
-) -> tuple[int, int]:
-    """split-K for the CUDA GEMV: as `split_k`, capped so the staged activations fit in smem."""
-    tiles = -(-n // CUDA_TILE_N)
-    split, per_split = split_k(
-        tiles, num_blocks, num_sms, max_tiles, CUDA_MIN_BLOCKS_PER_CTA, CUDA_SPLIT_K_WAVES
-    )
-    max_per_split = max(1, CUDA_SMEM_BUDGET // (m_tile * BLOCK_K * 2))
-    if per_split > max_per_split:
-        assert tiles <= max_tiles, "the packed weight holds a split-K lock per CUDA column tile"
-        per_split = max_per_split
-        split = -(-num_blocks // per_split)
-    return split, per_split

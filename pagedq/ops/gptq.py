@@ -5,10 +5,12 @@ reads. `gptq_matmul_reference` dequantizes it and runs an fp32 matmul: the CPU p
 test oracle. `gptq_matmul` dispatches by `PAGEDQ_GPTQ_BACKEND`, read on every call:
 
 - `torch`: the reference (also what `auto` runs on CPU tensors);
-- `auto` on CUDA tensors, by M = rows of x: the CUDA extension's GEMV for M <= CUDA_EXT_MAX_M
-  (when it built), the Triton split-K GEMV for M <= SMALL_M_MAX_M, the Triton GEMM above;
-- `cuda`: the CUDA GEMV whenever it applies (M <= SMALL_M_MAX_M, fp16/bf16, group size a
-  multiple of 32), Triton otherwise or when the extension cannot be built (one notice);
+- `auto` on CUDA tensors, by M = rows of x: the CUDA extension's kernel for M <= CUDA_EXT_MAX_M
+  (when it built; tensor cores, persistent stream-K grid, see cuda_ext/gptq_gemv.cuh), the
+  Triton split-K GEMV for M <= SMALL_M_MAX_M, the Triton GEMM above;
+- `cuda`: the CUDA kernel whenever it applies (M <= SMALL_M_MAX_M, fp16/bf16, group size a
+  multiple of 32, K a multiple of 8), Triton otherwise or when the extension cannot be built
+  (one notice);
 - `triton`: the Triton kernels by M; on CPU tensors they run in the Triton interpreter
   (TRITON_INTERPRET=1 is set for the process if no GPTQ kernel module was imported yet, so
   Triton kernels imported later in the process are interpreted too).
@@ -34,13 +36,12 @@ BACKEND_ENV = "PAGEDQ_GPTQ_BACKEND"
 BACKENDS = ("auto", "cuda", "triton", "torch")
 
 # Dispatch thresholds on M (rows of x), set from bench/bench_gptq.py on an H200.
-CUDA_EXT_MAX_M = 1  # auto: CUDA GEMV up to here (H200: 2.50 ms vs 3.05 at M=2; Triton wins M>=2)
+CUDA_EXT_MAX_M = 1  # auto: CUDA kernel up to here
 SMALL_M_MAX_M = 16  # split-K GEMV (CUDA or Triton) up to here, tiled GEMM above
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # split-K arrival counters per weight (>= tiles of any split launch)
 _INTERPRETER_SMS = 4  # "SM count" used to size split-K in the Triton interpreter
-_CUDA_M_TILES = (1, 2, 4, 8, 16)  # row counts the CUDA GEMV is compiled for
 _KERNEL_MODULES = (
     "triton_kernels.gptq_common",
     "triton_kernels.gptq_gemv",
@@ -270,28 +271,24 @@ def _launch_triton(
 
 
 def _launch_cuda(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Run the CUDA extension's GEMV (pagedq::gptq_gemv) on x [M, K] (M <= 16) -> [M, N]."""
-    from triton_kernels import gptq_configs
-
-    m_tile = next(t for t in _CUDA_M_TILES if t >= x.shape[0])
-    num_blocks = -(-w.in_features // BLOCK_K)
-    split, _ = gptq_configs.cuda_split_k(
-        m_tile, w.out_features, num_blocks, _num_sms(x.device), w.locks.numel()
-    )
+    """Run the CUDA extension's kernel (pagedq::gptq_gemv) on x [M, K] (M <= 16) -> [M, N]."""
+    if x.data_ptr() % 16 != 0 or x.stride(0) % 8 != 0:  # its 16-byte row copies need both
+        x = x.clone(memory_format=torch.contiguous_format)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    return torch.ops.pagedq.gptq_gemv(
-        x, w.qweight, w.scales, w.zeros, bias, w.locks, w.group_size, split
-    )
+    return torch.ops.pagedq.gptq_gemv(x, w.qweight, w.scales, w.zeros, bias, w.locks, w.group_size)
 
 
 def _cuda_ext_applies(x: torch.Tensor, w: PackedGPTQWeight) -> bool:
-    """The CUDA GEMV takes this call (fp16/bf16, word-aligned groups) and the extension loads."""
+    """The CUDA kernel takes this call (fp16/bf16, 32-row groups, K % 8 == 0) and the extension
+    loads."""
     if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
         return False
     if x.numel() // w.in_features > SMALL_M_MAX_M:
         return False
     if w.num_groups > 1 and w.group_size % 32 != 0:
+        return False
+    if w.in_features % 8 != 0:  # activations are copied 8 at a time
         return False
     from cuda_ext.build import gptq_ext_available
 
