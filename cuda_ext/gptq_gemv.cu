@@ -95,25 +95,30 @@ std::pair<KernelFn, size_t> variant(int tokens, bool per_quarter) {
   return {kernel_for_tok<T, 16>(per_quarter), smem_for_tok<16>(per_quarter)};
 }
 
-// CTAs of `kernel` resident on the whole device at once (the persistent grid), cached per device.
-int resident_ctas(KernelFn kernel, size_t smem, int device) {
+struct Launch {
+  int ctas;  // resident CTAs on the whole device: the persistent grid
+  bool pdl;  // programmatic dependent launch (Hopper and newer)
+};
+
+// How `kernel` launches on `device`, computed once per (kernel, device).
+Launch launch_for(KernelFn kernel, size_t smem, int device) {
   static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> cache;
+  static std::map<std::pair<const void*, int>, Launch> cache;
   const std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
-  int per_sm = 0;
+  int per_sm = 0, sms = 0, major = 0;
   C10_CUDA_CHECK(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gptq::kThreads, smem));
   TORCH_CHECK(per_sm > 0, "gptq_gemv: the kernel does not fit on device ", device);
-  int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int ctas = per_sm * sms;
-  cache.emplace(key, ctas);
-  return ctas;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  const Launch launch{per_sm * sms, major >= 9};
+  cache.emplace(key, launch);
+  return launch;
 }
 
 template <typename T>
@@ -134,7 +139,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;
   const auto [kernel, smem] = variant<T>(p.M, per_quarter);
   const int64_t items = static_cast<int64_t>(p.tiles) * p.num_blocks;
-  const int ctas = static_cast<int>(std::min<int64_t>(resident_ctas(kernel, smem, device), items));
+  const Launch launch = launch_for(kernel, smem, device);
+  const int ctas = static_cast<int>(std::min<int64_t>(launch.ctas, items));
 
   at::Tensor out = at::empty({p.M, p.N}, x.options());
   at::Tensor workspace =
@@ -158,9 +164,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   pdl[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = pdl;
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  config.numAttrs = major >= 9 ? 1 : 0;  // PDL: Hopper and newer
+  config.numAttrs = launch.pdl ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
   return out;
 }
