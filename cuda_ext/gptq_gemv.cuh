@@ -136,7 +136,7 @@ struct Slot {
 };
 
 // Rows 4t + j of the 4 t lanes of one phase land 32 bytes apart mod 128 bytes.
-__device__ inline int word_offset(int r) { return 256 * r + 32 * (r / 4); }
+__host__ __device__ inline int word_offset(int r) { return 256 * r + 32 * (r / 4); }
 
 __device__ inline uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -172,7 +172,7 @@ __device__ inline void pdl_wait() {
 }
 
 // Group row of quarter q of block b (q = 0 for block-wide groups), clamped for padded rows.
-__device__ inline int64_t group_row(const Params& p, int b, int q) {
+__host__ __device__ inline int64_t group_row(const Params& p, int b, int q) {
   const int grp = (b * kBlockK + 32 * q) / p.group_size;
   return grp < p.num_groups - 1 ? grp : p.num_groups - 1;
 }
@@ -354,7 +354,7 @@ __device__ inline void reduce_warps(const float (&acc)[MT][4][4], float* red) {
 }
 
 // The CTA owning item i when `items` are split over `ctas` (ctas <= items).
-__device__ inline int owner(int64_t i, int64_t items, int ctas) {
+__host__ __device__ inline int owner(int64_t i, int64_t items, int ctas) {
   return static_cast<int>(((i + 1) * ctas - 1) / items);
 }
 
@@ -400,10 +400,11 @@ __device__ inline void flush(const Params& p, int tile, bool whole, const float*
 // A CTA's run of blocks [b0, b1) in one column tile; warp w takes blocks b0 + w + i kWarps.
 struct Segment {
   int tile, b0, b1, count, warp;
-  __device__ int block(int i) const { return b0 + warp + i * kWarps; }
+  __host__ __device__ int block(int i) const { return b0 + warp + i * kWarps; }
 };
 
-__device__ inline Segment segment_at(const Params& p, int64_t item, int64_t end, int warp) {
+__host__ __device__ inline Segment segment_at(const Params& p, int64_t item, int64_t end,
+                                               int warp) {
   Segment s;
   s.tile = static_cast<int>(item / p.num_blocks);
   s.b0 = static_cast<int>(item % p.num_blocks);

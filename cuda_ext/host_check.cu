@@ -1,127 +1,128 @@
-// Runs the GEMV kernel's per-thread arithmetic on the CPU (no GPU needed), for tests.
+// Checks the CUDA kernel's work split and shared-memory placement on the CPU (no GPU needed).
 //
-// Usage: host_check IN OUT. IN holds int32 header [dtype (0 fp16, 1 bf16), M, N, K, group_size,
-// num_groups, has_zeros, split], then x [M, K] (16-bit), qweight [Kp/8, N] int32, scales [G, N]
-// (16-bit) and, when has_zeros, zeros [G, N] (16-bit). OUT receives fp32 [M, N].
-// Every (CTA, thread) of the launch grid is emulated in turn with the kernel's own helpers
-// (staged_index, load_group_params, accumulate_block); only the cross-thread reduction is
-// replaced by a plain fp32 sum.
+// Usage: host_check TILES NUM_BLOCKS CTAS... Each CTA count is checked with the kernel's own
+// helpers (segment_at, Segment::block, owner, word_offset from gptq_gemv.cuh):
+// - every item (column tile, 128-row block) is taken by exactly one warp of exactly one CTA;
+// - a tile is written directly by a CTA only when that CTA owns all of it; otherwise its
+//   contributors are exactly the CTAs owner() names for its first and last item, and the arrival
+//   count the last contributor waits for (last - first) is reached exactly once;
+// - workspace slots tile + cta are unique and below tiles + ctas (the allocation);
+// - each 8-lane phase of a warp's 16-byte ring reads hits 8 distinct 16-byte bank groups.
+// Prints "ok" and exits 0, or names the first violation and exits 1.
 #include <cstdio>
+#include <cstdlib>
+#include <set>
 #include <vector>
 
 #include "gptq_gemv.cuh"
 
 namespace {
 
-using pagedq::gptq::GemvParams;
 using pagedq::gptq::kBlockK;
-using pagedq::gptq::kCols;
-using pagedq::gptq::kThreadsK;
-using pagedq::gptq::kThreadsN;
 using pagedq::gptq::kTileN;
+using pagedq::gptq::kWarps;
+using pagedq::gptq::owner;
+using pagedq::gptq::Params;
+using pagedq::gptq::Segment;
+using pagedq::gptq::segment_at;
+using pagedq::gptq::word_offset;
 
-struct Problem {
-  int dtype, M, N, K, group_size, num_groups, has_zeros, split;
-  std::vector<uint16_t> x, scales, zeros;
-  std::vector<int32_t> qweight;
-};
-
-template <typename V>
-bool read_into(FILE* f, std::vector<V>& v, size_t n) {
-  v.resize(n);
-  return fread(v.data(), sizeof(V), n, f) == n;
+int fail(const char* what, long a, long b, long c) {
+  std::printf("FAIL: %s (%ld, %ld, %ld)\n", what, a, b, c);
+  return 1;
 }
 
-bool read_problem(const char* path, Problem& pr) {
-  FILE* f = fopen(path, "rb");
-  if (f == nullptr) return false;
-  int header[8];
-  bool ok = fread(header, sizeof(int), 8, f) == 8;
-  pr = Problem{header[0], header[1], header[2], header[3],
-               header[4], header[5], header[6], header[7]};
-  const size_t kp = (pr.K + kBlockK - 1) / kBlockK * kBlockK;
-  const size_t table = static_cast<size_t>(pr.num_groups) * pr.N;
-  ok = ok && read_into(f, pr.x, static_cast<size_t>(pr.M) * pr.K);
-  ok = ok && read_into(f, pr.qweight, kp / 8 * pr.N) && read_into(f, pr.scales, table);
-  ok = ok && (!pr.has_zeros || read_into(f, pr.zeros, table));
-  fclose(f);
-  return ok;
-}
-
-// One split of one column tile: emulate every thread, sum their accumulators into out.
-template <typename T, int M_TILE>
-void run_cta(const GemvParams<T>& p, int tile, int split, std::vector<float>& out) {
-  const int num_blocks = (p.K + kBlockK - 1) / kBlockK;
-  const int b_begin = split * p.blocks_per_split;
-  const int b_end = std::min(b_begin + p.blocks_per_split, num_blocks);
-  const int span = std::max(b_end - b_begin, 0) * kBlockK;
-  std::vector<T> staged(static_cast<size_t>(M_TILE) * span + 8);
-  for (int m = 0; m < M_TILE; ++m) {
-    for (int kl = 0; kl < span; ++kl) {
-      const int k = b_begin * kBlockK + kl;
-      const bool inside = m < p.M && k < p.K;
-      staged[m * span + pagedq::gptq::staged_index(kl)] =
-          inside ? p.x[m * p.x_stride + k] : pagedq::gptq::Pair<T>::from_float(0.0f);
+int check_split(int tiles, int num_blocks, int ctas) {
+  Params p{};
+  p.tiles = tiles;
+  p.num_blocks = num_blocks;
+  p.N = tiles * kTileN;
+  p.K = num_blocks * kBlockK;
+  const int64_t items = static_cast<int64_t>(tiles) * num_blocks;
+  if (ctas > items) return fail("more CTAs than items", ctas, items, 0);
+  std::vector<int> taken(items, 0);
+  std::vector<std::vector<int>> contributors(tiles);  // CTAs flushing a partial of the tile
+  std::vector<int> direct(tiles, 0);
+  std::set<int64_t> slots;
+  for (int c = 0; c < ctas; ++c) {
+    const int64_t begin = static_cast<int64_t>(c) * items / ctas;
+    const int64_t end = static_cast<int64_t>(c + 1) * items / ctas;
+    if (begin >= end) return fail("empty CTA", c, begin, end);
+    for (int64_t item = begin; item < end;) {
+      const Segment s0 = segment_at(p, item, end, 0);
+      for (int w = 0; w < kWarps; ++w) {
+        const Segment s = segment_at(p, item, end, w);
+        for (int i = 0; i < s.count; ++i) {
+          const int b = s.block(i);
+          if (b < s.b0 || b >= s.b1) return fail("block outside its segment", c, w, b);
+          taken[static_cast<int64_t>(s.tile) * num_blocks + b] += 1;
+        }
+      }
+      if (s0.b0 == 0 && s0.b1 == num_blocks) {
+        direct[s0.tile] += 1;
+      } else {
+        contributors[s0.tile].push_back(c);
+        if (!slots.insert(s0.tile + static_cast<int64_t>(c)).second) {
+          return fail("workspace slot used twice", s0.tile, c, 0);
+        }
+        if (s0.tile + static_cast<int64_t>(c) >= tiles + static_cast<int64_t>(ctas)) {
+          return fail("workspace slot past the allocation", s0.tile, c, tiles + ctas);
+        }
+      }
+      item += s0.b1 - s0.b0;
     }
   }
-  for (int tn = 0; tn < kThreadsN; ++tn) {
-    const int n0 = tile * kTileN + tn * kCols;
-    if (n0 >= p.N) continue;
-    for (int tk = 0; tk < kThreadsK; ++tk) {
-      float acc[M_TILE][kCols] = {};
-      for (int b = b_begin + tk; b < b_end; b += kThreadsK) {
-        pagedq::gptq::accumulate_block<T, M_TILE>(p, staged.data(), span, b, b - b_begin, n0, acc);
-      }
-      for (int m = 0; m < p.M; ++m) {
-        for (int c = 0; c < kCols; ++c) out[static_cast<size_t>(m) * p.N + n0 + c] += acc[m][c];
+  for (int64_t i = 0; i < items; ++i) {
+    if (taken[i] != 1) return fail("item not taken exactly once", i / num_blocks, i % num_blocks, taken[i]);
+  }
+  for (int t = 0; t < tiles; ++t) {
+    const int first = owner(static_cast<int64_t>(t) * num_blocks, items, ctas);
+    const int last = owner(static_cast<int64_t>(t + 1) * num_blocks - 1, items, ctas);
+    if (direct[t] == 1 && contributors[t].empty() && first == last) continue;
+    if (direct[t] != 0) return fail("tile both written directly and split", t, direct[t], 0);
+    const int count = static_cast<int>(contributors[t].size());
+    if (count < 2 || count != last - first + 1) return fail("contributor count", t, count, last - first + 1);
+    for (int k = 0; k < count; ++k) {
+      if (contributors[t][k] != first + k) return fail("contributors not owner()'s range", t, k, contributors[t][k]);
+    }
+  }
+  return 0;
+}
+
+int check_banks() {
+  // lane (g, t) reads word_offset(4t + j) + 16 g + 128 h; lanes 8q..8q+7 share a phase
+  for (int j = 0; j < 4; ++j) {
+    for (int h = 0; h < 2; ++h) {
+      for (int phase = 0; phase < 4; ++phase) {
+        std::set<int> groups;
+        for (int lane = 8 * phase; lane < 8 * phase + 8; ++lane) {
+          const int g = lane / 4, t = lane % 4;
+          groups.insert((word_offset(4 * t + j) + 16 * g + 128 * h) % 128 / 16);
+        }
+        if (groups.size() != 8) return fail("bank conflict in a ring read", j, h, phase);
       }
     }
   }
-}
-
-template <typename T, int M_TILE>
-std::vector<float> run(const Problem& pr) {
-  GemvParams<T> p{};
-  p.x = reinterpret_cast<const T*>(pr.x.data());
-  p.qweight = pr.qweight.data();
-  p.scales = reinterpret_cast<const T*>(pr.scales.data());
-  p.zeros = pr.has_zeros ? reinterpret_cast<const T*>(pr.zeros.data()) : nullptr;
-  p.x_stride = pr.K;
-  p.M = pr.M;
-  p.N = pr.N;
-  p.K = pr.K;
-  p.group_size = pr.group_size;
-  p.num_groups = pr.num_groups;
-  const int num_blocks = (pr.K + kBlockK - 1) / kBlockK;
-  p.blocks_per_split = (num_blocks + pr.split - 1) / pr.split;
-  p.split = (num_blocks + p.blocks_per_split - 1) / p.blocks_per_split;
-  std::vector<float> out(static_cast<size_t>(pr.M) * pr.N, 0.0f);
-  for (int tile = 0; tile < (pr.N + kTileN - 1) / kTileN; ++tile) {
-    for (int s = 0; s < p.split; ++s) run_cta<T, M_TILE>(p, tile, s, out);
+  for (int r = 0; r + 1 < 16; ++r) {
+    if (word_offset(r + 1) - word_offset(r) < 256 || word_offset(r) % 16 != 0) {
+      return fail("word rows overlap or are misaligned", r, word_offset(r), word_offset(r + 1));
+    }
   }
-  return out;
-}
-
-template <typename T>
-std::vector<float> run_any(const Problem& pr) {
-  if (pr.M <= 1) return run<T, 1>(pr);
-  if (pr.M <= 2) return run<T, 2>(pr);
-  if (pr.M <= 4) return run<T, 4>(pr);
-  if (pr.M <= 8) return run<T, 8>(pr);
-  return run<T, 16>(pr);
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  Problem pr;
-  if (argc != 3 || !read_problem(argv[1], pr) || pr.M < 1 || pr.M > 16) {
-    fprintf(stderr, "usage: host_check IN OUT (see the header comment)\n");
+  if (argc < 4) {
+    std::printf("usage: host_check TILES NUM_BLOCKS CTAS...\n");
     return 2;
   }
-  const std::vector<float> out = pr.dtype == 0 ? run_any<__half>(pr) : run_any<__nv_bfloat16>(pr);
-  FILE* f = fopen(argv[2], "wb");
-  if (f == nullptr || fwrite(out.data(), sizeof(float), out.size(), f) != out.size()) return 1;
-  fclose(f);
+  const int tiles = std::atoi(argv[1]), num_blocks = std::atoi(argv[2]);
+  if (check_banks() != 0) return 1;
+  for (int a = 3; a < argc; ++a) {
+    if (check_split(tiles, num_blocks, std::atoi(argv[a])) != 0) return 1;
+  }
+  std::printf("ok\n");
   return 0;
 }
