@@ -266,7 +266,8 @@ def with_backend(name: str, fn: Callable[[], Any]) -> Any:
 def small_m_sweep(
     weights: list[PackedGPTQWeight], nbytes: int, repeats: int
 ) -> list[dict[str, Any]]:
-    """Graph time of the stack per small-M path, to set CUDA_EXT_MAX_M and SMALL_M_MAX_M."""
+    """Graph and eager time of the stack per small-M path, to set CUDA_EXT_MAX_M (graph),
+    the eager rule and SMALL_M_MAX_M."""
     paths: dict[str, Callable[..., torch.Tensor]] = {
         "cuda": lambda x, w: ops._launch_cuda(x, w, None),
         "triton_gemv": lambda x, w: ops._launch_triton(x, w, None, small=True),
@@ -281,12 +282,15 @@ def small_m_sweep(
         for name, call in paths.items():
             if m > ops.SMALL_M_MAX_M and name != "triton_gemm":
                 continue
-            ms = time_ms(graphed(pagedq_stack(weights, m, call)), repeats)
-            row[name] = {"graph_ms": ms, "tbs": nbytes / ms / 1e9}
+            row[name] = measure(pagedq_stack(weights, m, call), nbytes, repeats)
         rows.append(row)
         print(
             f"  small-M sweep M={m}: "
-            + ", ".join(f"{k} {v['graph_ms']:.3f} ms" for k, v in row.items() if k != "m"),
+            + ", ".join(
+                f"{k} {v['graph_ms']:.3f} ms ({v['eager_ms']:.3f})"
+                for k, v in row.items()
+                if k != "m"
+            ),
             flush=True,
         )
     return rows
@@ -419,8 +423,10 @@ def write(results: dict[str, Any], out: Path) -> None:
                 f"| {m} | {name} | {r['graph_ms']:.3f} | {r['eager_ms']:.3f} | "
                 f"{r['tbs']:.2f} | {pct:.0f}% |"
             )
-    lines += ["", "Small-M paths (graph ms): " + "; ".join(
-        f"M={r['m']}: " + ", ".join(f"{k} {v['graph_ms']:.3f}" for k, v in r.items() if k != "m")
+    lines += ["", "Small-M paths (graph ms, eager in brackets): " + "; ".join(
+        f"M={r['m']}: " + ", ".join(
+            f"{k} {v['graph_ms']:.3f} ({v['eager_ms']:.3f})" for k, v in r.items() if k != "m"
+        )
         for r in results["small_m"]
     )]  # fmt: skip
     if results["skipped"]:
