@@ -42,118 +42,39 @@ LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (
 # above. Filled from `bench/bench_gptq.py --sweep` on an H200 (Llama-2-7B fused projections).
 ConfigTable = tuple[tuple[int, KernelConfig], ...]
 # Swept on an NVIDIA H200 (2026-11-29, torch 2.11, triton 3.6) by bench/bench_gptq.py --sweep.
+# Entries are KernelConfig(block_m, block_n, num_warps, num_stages, group_m, split_k, unpack).
 TUNED: dict[tuple[str, int, int], ConfigTable] = {
     ("small", 12288, 4096): (
-        (
-            1,
-            KernelConfig(
-                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=4, unpack=0
-            ),
-        ),
-        (
-            16,
-            KernelConfig(
-                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=2, unpack=0
-            ),
-        ),
+        (1, KernelConfig(16, 64, 4, 4, 8, 4, 0)),
+        (16, KernelConfig(16, 64, 4, 4, 8, 2, 0)),
     ),
     ("large", 12288, 4096): (
-        (
-            64,
-            KernelConfig(
-                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
-            ),
-        ),
-        (
-            1073741824,
-            KernelConfig(
-                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
-            ),
-        ),
+        (64, KernelConfig(64, 128, 4, 3, 8, 0, 1)),
+        (1 << 30, KernelConfig(64, 128, 4, 3, 8, 0, 1)),
     ),
     ("small", 4096, 4096): (
-        (
-            1,
-            KernelConfig(
-                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=4, unpack=0
-            ),
-        ),
-        (
-            16,
-            KernelConfig(
-                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=4, unpack=0
-            ),
-        ),
+        (1, KernelConfig(16, 64, 4, 4, 8, 4, 0)),
+        (16, KernelConfig(16, 64, 4, 4, 8, 4, 0)),
     ),
     ("large", 4096, 4096): (
-        (
-            64,
-            KernelConfig(
-                block_m=64, block_n=128, num_warps=8, num_stages=3, group_m=8, split_k=0, unpack=1
-            ),
-        ),
-        (
-            1073741824,
-            KernelConfig(
-                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
-            ),
-        ),
+        (64, KernelConfig(64, 128, 8, 3, 8, 0, 1)),
+        (1 << 30, KernelConfig(64, 128, 4, 3, 8, 0, 1)),
     ),
     ("small", 22016, 4096): (
-        (
-            1,
-            KernelConfig(
-                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=4, unpack=0
-            ),
-        ),
-        (
-            16,
-            KernelConfig(
-                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=4, unpack=0
-            ),
-        ),
+        (1, KernelConfig(16, 64, 4, 4, 8, 4, 0)),
+        (16, KernelConfig(16, 64, 4, 4, 8, 4, 0)),
     ),
     ("large", 22016, 4096): (
-        (
-            64,
-            KernelConfig(
-                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
-            ),
-        ),
-        (
-            1073741824,
-            KernelConfig(
-                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
-            ),
-        ),
+        (64, KernelConfig(64, 128, 4, 3, 8, 0, 1)),
+        (1 << 30, KernelConfig(64, 128, 4, 3, 8, 0, 1)),
     ),
     ("small", 4096, 11008): (
-        (
-            1,
-            KernelConfig(
-                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=8, unpack=0
-            ),
-        ),
-        (
-            16,
-            KernelConfig(
-                block_m=16, block_n=64, num_warps=4, num_stages=4, group_m=8, split_k=8, unpack=0
-            ),
-        ),
+        (1, KernelConfig(16, 64, 4, 4, 8, 8, 0)),
+        (16, KernelConfig(16, 64, 4, 4, 8, 8, 0)),
     ),
     ("large", 4096, 11008): (
-        (
-            64,
-            KernelConfig(
-                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
-            ),
-        ),
-        (
-            1073741824,
-            KernelConfig(
-                block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=8, split_k=0, unpack=1
-            ),
-        ),
+        (64, KernelConfig(64, 128, 4, 3, 8, 0, 1)),
+        (1 << 30, KernelConfig(64, 128, 4, 3, 8, 0, 1)),
     ),
 }
 

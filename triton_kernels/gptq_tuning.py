@@ -107,15 +107,25 @@ def sweep_and_apply(timer: Timer, weights: list[Any]) -> dict[str, Any]:
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    """The swept winners as the text of `gptq_configs.TUNED`."""
+    """The swept winners as the text of `gptq_configs.TUNED` (positional KernelConfig fields)."""
     lines = ["TUNED: dict[tuple[str, int, int], ConfigTable] = {"]
     for r in results:
         for kind, entries in r["best"].items():
             if entries:
-                body = ", ".join(f"({bound}, {cfg!r})" for bound, cfg in entries)
-                lines.append(f'    ("{kind}", {r["n"]}, {r["k"]}): ({body},),')
+                lines.append(f'    ("{kind}", {r["n"]}, {r["k"]}): (')
+                lines += [f"        ({_bound(bound)}, {_config(cfg)})," for bound, cfg in entries]
+                lines.append("    ),")
     lines.append("}")
     return "\n".join(lines)
+
+
+def _bound(bound: int) -> str:
+    return "1 << 30" if bound == 1 << 30 else str(bound)
+
+
+def _config(cfg: KernelConfig) -> str:
+    fields = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.group_m, cfg.split_k)
+    return f"KernelConfig({', '.join(map(str, (*fields, cfg.unpack)))})"
 
 
 __all__ = ["format_table", "sweep_and_apply", "sweep_shape"]
