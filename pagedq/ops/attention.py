@@ -38,6 +38,14 @@ from typing import Literal
 import torch
 
 from pagedq.errors import ConfigError
+from pagedq.ops.attention_checks import (
+    BACKEND_ENV,
+    check_attention,
+    check_kv,
+    check_shared_prefix,
+    check_tables,
+    spec,
+)
 from pagedq.ops.attention_reference import (
     gather_context,
     reference_decode_attention,
@@ -58,13 +66,7 @@ __all__ = [
     "write_kv",
 ]
 
-BACKEND_ENV = "PAGEDQ_ATTENTION_BACKEND"
 BACKENDS = ("auto", "triton", "torch")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_TRITON_HEAD_DIM = 256  # widest head the kernels hold in registers (padded to a power of 2)
-
-# (shape, strides, dtype, device) of a tensor: the cache key of its checks
-_Spec = tuple[torch.Size, tuple[int, ...], torch.dtype, torch.device]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +118,7 @@ def write_kv(
     A negative slot skips its token (padding rows of a captured batch).
     """
     triton = attention_backend(k.device) == "triton"
-    _check_kv(_spec(k), _spec(v), _spec(k_cache), _spec(v_cache), triton)
+    check_kv(spec(k), spec(v), spec(k_cache), spec(v_cache), triton)
     if (
         slot_mapping.dtype not in (torch.int64, torch.int32)
         or slot_mapping.shape != k.shape[:1]
@@ -163,8 +165,8 @@ def paged_decode_attention(
     reference ignores it (same math).
     """
     triton = attention_backend(q.device) == "triton"
-    _check_attention(_spec(q), _spec(k_cache), _spec(v_cache), triton)
-    _check_tables(block_tables, seq_lens, q.device)
+    check_attention(spec(q), spec(k_cache), spec(v_cache), triton)
+    check_tables(block_tables, seq_lens, q.device)
     if q.shape[0] != seq_lens.shape[0]:
         raise ValueError(
             f"decode takes one query per sequence: q has {q.shape[0]} rows "
@@ -173,7 +175,7 @@ def paged_decode_attention(
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if shared_prefix_len:
-        _check_shared_prefix(shared_prefix_len, k_cache.shape[1], block_tables, max_seq_len)
+        check_shared_prefix(shared_prefix_len, k_cache.shape[1], block_tables, max_seq_len)
     if not triton:
         return reference_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -211,8 +213,8 @@ def paged_prefill_attention(
     `max_seq_len`, an upper bound of `seq_lens`, only picks the kernel's tiles.
     """
     triton = attention_backend(q.device) == "triton"
-    _check_attention(_spec(q), _spec(k_cache), _spec(v_cache), triton)
-    _check_tables(block_tables, seq_lens, q.device)
+    check_attention(spec(q), spec(k_cache), spec(v_cache), triton)
+    check_tables(block_tables, seq_lens, q.device)
     num_seqs = seq_lens.shape[0]
     if (
         query_start_loc.dtype != torch.int32
@@ -307,114 +309,6 @@ def _is_interpreted(module_name: str) -> bool:
         if type(obj).__name__ in ("JITFunction", "InterpretedFunction")
     ]  # fmt: skip
     return all(isinstance(fn, InterpretedFunction) for fn in kernels)
-
-
-# ---------------------------------------------------------------------------------------
-# input checks: shapes, dtypes, devices and strides, never tensor values. Those of q, k and
-# the caches are cached per _Spec (an invalid input raises and is not cached).
-# ---------------------------------------------------------------------------------------
-
-
-def _spec(t: torch.Tensor) -> _Spec:
-    return (t.shape, t.stride(), t.dtype, t.device)
-
-
-@functools.lru_cache(maxsize=256)
-def _check_attention(q: _Spec, k_cache: _Spec, v_cache: _Spec, triton: bool) -> None:
-    _check_cache(k_cache, v_cache, q[2], q[3], triton)
-    q_shape, cache_shape = q[0], k_cache[0]
-    if len(q_shape) != 3 or q_shape[2] != cache_shape[3]:
-        raise ValueError(
-            f"q must be [num_tokens, num_heads, {cache_shape[3]}] (the cache's head_dim), "
-            f"got {tuple(q_shape)}"
-        )
-    if q_shape[1] % cache_shape[2] != 0:
-        raise ValueError(
-            f"num_heads {q_shape[1]} is not a multiple of num_kv_heads {cache_shape[2]}"
-        )
-
-
-@functools.lru_cache(maxsize=256)
-def _check_kv(k: _Spec, v: _Spec, k_cache: _Spec, v_cache: _Spec, triton: bool) -> None:
-    _check_cache(k_cache, v_cache, k[2], k[3], triton)
-    cache_shape = k_cache[0]
-    if len(k[0]) != 3 or v[0] != k[0] or tuple(k[0][1:]) != tuple(cache_shape[2:]):
-        raise ValueError(
-            f"k and v must both be [num_tokens, {cache_shape[2]}, {cache_shape[3]}] "
-            f"to match the cache; got k {tuple(k[0])}, v {tuple(v[0])}"
-        )
-    if v[2:] != k[2:]:
-        raise ValueError(f"v ({v[2]}, {v[3]}) must match k ({k[2]}, {k[3]})")
-
-
-def _check_cache(
-    k_cache: _Spec, v_cache: _Spec, dtype: torch.dtype, device: torch.device, triton: bool
-) -> None:
-    shape = k_cache[0]
-    if len(shape) != 4 or v_cache[0] != shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(shape)} and {tuple(v_cache[0])}"
-        )
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype} is not supported; use one of {_DTYPES}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache[2:] != (dtype, device):
-            raise ValueError(
-                f"{name} is {cache[2]} on {cache[3]}, the inputs are {dtype} on {device}"
-            )
-    if not triton:
-        return
-    if shape[3] > MAX_TRITON_HEAD_DIM:
-        raise ValueError(
-            f"head_dim {shape[3]} exceeds the Triton kernels' limit {MAX_TRITON_HEAD_DIM}; "
-            f"use {BACKEND_ENV}=torch"
-        )
-    if k_cache[1][3] != 1 or v_cache[1] != k_cache[1]:
-        raise ValueError(
-            "k_cache and v_cache must share strides with a contiguous head_dim, got "
-            f"{k_cache[1]} and {v_cache[1]}"
-        )
-
-
-def _check_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, device: torch.device) -> None:
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
-        raise ValueError(
-            f"block_tables must be int32 [num_seqs, max_blocks], "
-            f"got {block_tables.dtype} {tuple(block_tables.shape)}"
-        )
-    if seq_lens.dtype != torch.int32 or seq_lens.shape != block_tables.shape[:1]:
-        raise ValueError(
-            f"seq_lens must be int32 [{block_tables.shape[0]}] (one per block-table row), "
-            f"got {seq_lens.dtype} {tuple(seq_lens.shape)}"
-        )
-    if block_tables.device != device or seq_lens.device != device:
-        raise ValueError(
-            f"block_tables ({block_tables.device}) and seq_lens ({seq_lens.device}) "
-            f"must be on q's device {device}"
-        )
-
-
-def _check_shared_prefix(
-    shared_prefix_len: int, block_size: int, block_tables: torch.Tensor, max_seq_len: int | None
-) -> None:
-    """Shapes and ints only: the promise about table and length values is the caller's."""
-    capacity = block_tables.shape[1] * block_size
-    if shared_prefix_len < 0 or shared_prefix_len % block_size:
-        raise ValueError(
-            f"shared_prefix_len must be a non-negative multiple of the block size {block_size}, "
-            f"got {shared_prefix_len}"
-        )
-    if shared_prefix_len >= capacity:
-        raise ValueError(
-            f"shared_prefix_len {shared_prefix_len} leaves no own token in block tables of "
-            f"{block_tables.shape[1]} blocks ({capacity} tokens)"
-        )
-    if max_seq_len is not None and max_seq_len <= shared_prefix_len:
-        raise ValueError(
-            f"shared_prefix_len {shared_prefix_len} must be below every seq_len, but "
-            f"max_seq_len is {max_seq_len}"
-        )
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
