@@ -92,6 +92,28 @@ def test_n_greater_than_one_shares_prompt_blocks(tiny: Path) -> None:
     assert single.outputs[0].token_ids == out.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("cache", ["paged", "static"])
+def test_forks_respect_max_num_seqs(tiny: Path, cache: str) -> None:
+    """n=4 with room for 2 sequences: forks without room wait (and recompute from the prefix
+    cache); at most 2 run after any step, and the seeded completions are those of a roomy run."""
+    prompt = shared_prefix_prompts(1, prefix_len=37)[0]
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    roomy = LLM(str(tiny), device="cpu", num_blocks=128, cache=cache)
+    expected = roomy.generate([prompt], params, use_tqdm=False)[0]
+    tight = LLM(str(tiny), device="cpu", num_blocks=128, cache=cache, max_num_seqs=2)
+    step, peak = tight.engine.step, [0]
+
+    def watched_step() -> list:  # type: ignore[type-arg]
+        outs = step()
+        peak[0] = max(peak[0], len(tight.engine.scheduler.running))
+        return outs
+
+    tight.engine.step = watched_step  # type: ignore[method-assign]
+    out = tight.generate([prompt], params, use_tqdm=False)[0]
+    assert peak[0] <= 2
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in expected.outputs]
+
+
 def test_seed_is_independent_of_the_batch(tiny: Path) -> None:
     llm = LLM(str(tiny), device="cpu", num_blocks=256)
     prompts = shared_prefix_prompts(8)

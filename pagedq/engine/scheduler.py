@@ -87,32 +87,36 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A fork that already holds its parent's blocks joins the running list.
+        """A fork that already holds its parent's blocks joins the running list if there is room.
 
-        Static mode: the fork needs a slot of its own (else both would write into the parent's
-        reserved blocks); without a free slot it waits for the next batch and recomputes.
+        Room: fewer than `max_num_seqs` running; static mode also needs a slot of its own (else
+        both would write into the parent's reserved blocks). Without room the fork releases its
+        blocks and waits, in arrival order, to recompute (paged mode: from the prefix cache).
         """
-        if self.config.static and not self._reserve_fork_slot(seq):
+        if self.config.static:
+            roomy = self._reserve_fork_slot(seq)
+        else:
+            roomy = len(self.running) < self.config.max_num_seqs
+        if roomy:
+            self._insert_running(seq)
             return
-        self._insert_running(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        at = 0  # keep the waiting queue in arrival order
+        while at < len(self.waiting) and _order(self.waiting[at]) < _order(seq):
+            at += 1
+        self.waiting.insert(at, seq)
 
     def _insert_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=_order)
 
     def _reserve_fork_slot(self, seq: Sequence) -> bool:
+        """Static mode: reserve a whole slot for the fork, if one is free."""
         slot_tokens = self.slot_blocks * self.bm.block_size
-        if len(self.running) < self.num_static_slots and self.bm.allocate(
+        return len(self.running) < self.num_static_slots and self.bm.allocate(
             seq, slot_tokens - seq.num_computed_tokens
-        ):
-            return True
-        self.bm.free(seq)
-        seq.status = SequenceStatus.WAITING
-        at = 0  # static waiting queues are in arrival order: keep it
-        while at < len(self.waiting) and _order(self.waiting[at]) < _order(seq):
-            at += 1
-        self.waiting.insert(at, seq)
-        return False
+        )
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` (stop, length, abort): leave the queues and release its blocks."""
