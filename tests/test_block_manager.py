@@ -234,6 +234,25 @@ def test_a_reused_block_is_a_valid_parent_at_its_new_version() -> None:
     assert bm.match_prefix(make_seq(3, [1, 2, 3, 4, 5])) == []
 
 
+def test_forget_step_unregisters_only_this_steps_blocks() -> None:
+    """A failed forward: blocks registered since begin_step are never hit again (a freed one
+    becomes a plain free block); blocks registered in earlier steps stay shareable."""
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    old = make_seq(0, [1, 2, 3, 4])
+    compute_all(bm, old)  # blocks 0, 1 registered in an earlier step
+    bm.begin_step()
+    new = make_seq(1, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert admit(bm, new) == [0, 1]  # the hits, then blocks 2, 3 registered in this step
+    assert bm.match_prefix(make_seq(2, [1, 2, 3, 4, 5, 6, 7, 8, 9])) == [0, 1, 2, 3]
+    forgotten = bm.forget_step()
+    assert forgotten == {new.block_table[2], new.block_table[3]}
+    assert bm.match_prefix(make_seq(3, [1, 2, 3, 4, 5, 6, 7, 8, 9])) == [0, 1]
+    bm.free(new)
+    bm.check_invariants([old.block_table])
+    assert bm.num_cached_free_blocks == 0  # the forgotten ones went back as plain blocks
+    assert bm.forget_step() == set()  # nothing registered since
+
+
 def test_fork_shares_every_block_and_copies_the_partial_one_on_write() -> None:
     bm = BlockManager(8, 4, True)
     a = make_seq(0, range(6))  # [0 1 2 3] [4 5 . .]

@@ -114,6 +114,30 @@ def test_forks_respect_max_num_seqs(tiny: Path, cache: str) -> None:
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in expected.outputs]
 
 
+def test_a_failed_forward_leaves_the_engine_usable(tiny: Path) -> None:
+    """A forward that raises (say, CUDA OOM) in the step that registers shared prefix blocks:
+    the error reaches the caller, who aborts those requests; the blocks, never written, must not
+    be hit by the same prompts sent again, which finish with the tokens of a clean run."""
+    prompts = shared_prefix_prompts(6, prefix_len=40)
+    expected = tokens(LLM(str(tiny), device="cpu", num_blocks=64).generate(prompts, GREEDY))
+    llm = LLM(str(tiny), device="cpu", num_blocks=64)
+    engine = llm.engine
+    execute = engine.runner.execute
+
+    def failing(out):  # type: ignore[no-untyped-def]
+        raise RuntimeError("simulated out of memory")
+
+    engine.runner.execute = failing  # type: ignore[method-assign]
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.step()
+    engine.block_manager.check_invariants([s.block_table for s in engine.scheduler.running])
+    for request_id in ids:
+        assert engine.abort(request_id)
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+
+
 def test_seed_is_independent_of_the_batch(tiny: Path) -> None:
     llm = LLM(str(tiny), device="cpu", num_blocks=256)
     prompts = shared_prefix_prompts(8)

@@ -63,6 +63,8 @@ class Sim:
     n_of: dict[str, int] = field(default_factory=dict)
     samples: list[list[bool]] = field(default_factory=list)  # per step: chunk.samples
     checked: bool = True  # check the invariants after every step (O(num_blocks^2))
+    fail_every: int = 0  # > 1: every fail_every-th forward raises and the step is rolled back
+    failures: int = 0
 
     def __post_init__(self) -> None:
         self.bm = BlockManager(self.num_blocks, self.block_size, self.caching)
@@ -90,6 +92,12 @@ class Sim:
         out = self.sched.schedule()
         if out.preempted:  # nobody is admitted in a step that preempted
             assert all(id(c.seq) in was_running for c in out.chunks)
+        if self.fail_every > 1 and (len(self.outputs) + self.failures) % self.fail_every == 1:
+            self.failures += 1  # the forward raised: nothing was computed
+            self.sched.rollback(out)
+            if self.checked:
+                self.check()
+            return out
         self.outputs.append(out)
         self.samples.append([c.samples for c in out.chunks])
         self.kv.copy(out.blocks_to_copy)
@@ -132,8 +140,7 @@ class Sim:
         assert not set(map(id, sched.running)) & set(map(id, sched.waiting))
         order = [(s.arrival, s.seq_id) for s in sched.running]
         assert order == sorted(order)
-        if all(n == 1 for n in self.n_of.values()):  # forks join beyond max_num_seqs
-            assert len(sched.running) <= self.max_num_seqs
+        assert len(sched.running) <= self.max_num_seqs  # forks without room wait
         for seq in sched.waiting:
             assert seq.num_computed_tokens == 0
         if not self.static:  # a paged sequence holds exactly the blocks of its computed tokens
@@ -517,10 +524,18 @@ def fit_to_pool(
     budget=st.integers(1, 16),
     mode=st.sampled_from(["paged", "no-prefix-cache", "colliding-hash", "static"]),
     seed=st.integers(0, 1000),
+    fail_every=st.sampled_from([0, 0, 2, 5]),
 )
 def test_random_small_configurations_finish_every_request_correctly(
-    num_blocks: int, block_size: int, max_num_seqs: int, budget: int, mode: str, seed: int
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    budget: int,
+    mode: str,
+    seed: int,
+    fail_every: int,
 ) -> None:
+    """Any pool, budget and mode, with or without forwards that fail and are rolled back."""
     requests = fit_to_pool(make_requests(12, seed), num_blocks * block_size)
     longest = max(len(p) + m for p, m, _ in requests)
     sim = Sim(
@@ -531,6 +546,7 @@ def test_random_small_configurations_finish_every_request_correctly(
         max_model_len=longest,
         static=mode == "static",
         caching=mode != "no-prefix-cache",
+        fail_every=fail_every,
     )
     colliding = (lambda p, t, e=0: sum(t) % 3) if mode == "colliding-hash" else bm_module.hash_block
     with mock.patch.object(bm_module, "hash_block", colliding):

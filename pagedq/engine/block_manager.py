@@ -89,6 +89,7 @@ class BlockManager:
         self.pending_copies: list[
             tuple[int, int]
         ] = []  # (src, dst) copy-on-write, drained per step
+        self._step_registered: list[int] = []  # blocks registered since `begin_step`
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -195,13 +196,16 @@ class BlockManager:
         if self._free_plain:
             return self._free_plain.popleft()
         block_id, _ = self._free_cached.popitem(last=False)
-        block = self.blocks[block_id]
+        self._unregister(self.blocks[block_id])
+        self.stats.evicted_blocks += 1
+        return block_id
+
+    def _unregister(self, block: Block) -> None:
+        """Drop `block`'s hash: nothing can hit it any more (its version invalidates children)."""
         assert block.block_hash is not None
         del self._cached[block.block_hash]
         block.block_hash, block.token_ids, block.parent = None, None, None
         block.version += 1
-        self.stats.evicted_blocks += 1
-        return block_id
 
     def _take(self, block_id: int) -> int:
         block = self.blocks[block_id]
@@ -242,10 +246,32 @@ class BlockManager:
                 block.token_ids = tuple(seq.token_ids[start : start + self.block_size])
                 block.parent = None if prev is None else (prev.block_id, prev.version)
                 self._cached[block.block_hash] = block.block_id
+                self._step_registered.append(block.block_id)
             elif block.block_hash != seq.block_hashes[i]:
                 seq.hash_chain_broken = True  # another block holds this hash: stop sharing here
                 return
             seq.num_hashed_blocks = i + 1
+
+    def begin_step(self) -> None:
+        """A new schedule starts: `forget_step` would undo the registrations from here on."""
+        self._step_registered.clear()
+
+    def forget_step(self) -> set[int]:
+        """The forward of this step failed: the blocks registered for it hold no K/V, so they
+        must never be hit. Unregister them (a freed one moves to the plain free queue); returns
+        their ids."""
+        forgotten = set()
+        for block_id in self._step_registered:
+            block = self.blocks[block_id]
+            if block.block_hash is None or self._cached.get(block.block_hash) != block_id:
+                continue  # evicted and reused since
+            self._unregister(block)
+            forgotten.add(block_id)
+            if block.ref_count == 0:
+                del self._free_cached[block_id]
+                self._free_plain.append(block_id)
+        self._step_registered.clear()
+        return forgotten
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares the blocks holding `parent`'s computed tokens (the partial last one
@@ -263,18 +289,29 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release the blocks of `seq`, last block first, so eviction takes tails before heads."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0
-            if block.ref_count == 0:
-                if block.block_hash is None:
-                    self._free_plain.append(block_id)
-                else:
-                    self._free_cached[block_id] = None
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
         seq.hash_chain_broken = False
+
+    def release_tail(self, seq: Sequence) -> None:
+        """Release the blocks of `seq` past those of its computed tokens, last block first."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, keep)
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; an unreferenced block joins its free queue."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0
+        if block.ref_count == 0:
+            if block.block_hash is None:
+                self._free_plain.append(block_id)
+            else:
+                self._free_cached[block_id] = None
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) copy-on-write pairs since the last call; the runner copies them."""

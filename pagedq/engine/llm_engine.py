@@ -209,7 +209,11 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise AssertionError("scheduler made no progress with requests pending")
             return []
-        logits = self.runner.execute(out)
+        try:
+            logits = self.runner.execute(out)
+        except BaseException:
+            self.scheduler.rollback(out)  # e.g. CUDA OOM: the engine stays usable
+            raise
         self.scheduler.commit(out)
         touched = self._sample_and_update(out, logits)
         return [self._finish_output(req) for req in touched]

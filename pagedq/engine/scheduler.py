@@ -135,6 +135,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
+        self.bm.begin_step()
         budget = self.config.max_num_batched_tokens
         preempted: list[Sequence] = []
         if self.config.static:
@@ -149,6 +150,35 @@ class Scheduler:
         """After the forward: the chunks' K/V are in the cache."""
         for chunk in output.chunks:
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+
+    def rollback(self, output: SchedulerOutput) -> None:
+        """The forward of `output` failed: none of its K/V was written, so the engine stays usable
+        only if nothing can read it. Blocks registered for the step are forgotten. A sequence
+        keeps its progress (commit never ran, so its computed tokens are those before the step)
+        unless its computed tokens lean on the step: a prefix hit on a forgotten block (admitted
+        in this step) or a copy-on-write copy that may not have run; those recompute."""
+        forgotten = self.bm.forget_step()
+        copied = {dst for _, dst in output.blocks_to_copy}
+        bs = self.bm.block_size
+        for chunk in reversed(output.chunks):  # the oldest ends up first in the queue
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            table = seq.block_table
+            if any(b in forgotten for b in table[: chunk.start // bs]) or any(
+                b in copied for b in table
+            ):
+                self.running.remove(seq)
+                self.bm.free(seq)
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+                continue
+            for i in range(min(seq.num_hashed_blocks, len(table))):
+                if table[i] in forgotten:  # register it again when the step is redone
+                    seq.num_hashed_blocks = i
+                    break
+            if not self.config.static:  # the step's blocks come back when it is redone
+                self.bm.release_tail(seq)
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledChunk:
         """Record a chunk and share the blocks it fills (see BlockManager.cache_full_blocks)."""
