@@ -276,8 +276,8 @@ def _launch_cuda(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None
     """Run the CUDA extension's kernel (pagedq::gptq_gemv) on x [M, K] (M <= 16) -> [M, N]."""
     if x.data_ptr() % 16 != 0 or x.stride(0) % 8 != 0:  # its 16-byte row copies need both
         x = x.clone(memory_format=torch.contiguous_format)
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
+    if bias is not None:  # every input the op would reject is fixed or refused here
+        bias = bias.to(x.dtype).contiguous()
     return torch.ops.pagedq.gptq_gemv(x, w.qweight, w.scales, w.zeros, bias, w.locks, w.group_size)
 
 
