@@ -39,10 +39,10 @@ BACKENDS = ("auto", "cuda", "triton", "torch")
 CUDA_EXT_MAX_M = (
     6  # auto: CUDA kernel up to here (H200 stack: M=6 2.24 ms vs Triton 2.34, M=8 2.60 vs 2.35)
 )
-SMALL_M_MAX_M = 16  # split-K GEMV (CUDA or Triton) up to here, tiled GEMM above
+SMALL_M_MAX_M = 16  # small-M kernels (CUDA or Triton split-K GEMV) up to here, tiled GEMM above
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
-MIN_LOCKS = 1024  # split-K arrival counters per weight (>= tiles of any split launch)
+MIN_LOCKS = 1024  # arrival counters of split tiles per weight (>= tiles of any launch)
 _INTERPRETER_SMS = 4  # "SM count" used to size split-K in the Triton interpreter
 _KERNEL_MODULES = (
     "triton_kernels.gptq_common",
