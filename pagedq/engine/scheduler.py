@@ -168,10 +168,7 @@ class Scheduler:
             if any(b in forgotten for b in table[: chunk.start // bs]) or any(
                 b in copied for b in table
             ):
-                self.running.remove(seq)
-                self.bm.free(seq)
-                seq.status = SequenceStatus.WAITING
-                self.waiting.appendleft(seq)
+                self._requeue_first(seq)
                 continue
             for i in range(min(seq.num_hashed_blocks, len(table))):
                 if table[i] in forgotten:  # register it again when the step is redone
@@ -251,11 +248,15 @@ class Scheduler:
         self._insert_running(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue_first(seq)
+        self.num_preemptions += 1
+
+    def _requeue_first(self, seq: Sequence) -> None:
+        """A running sequence releases its blocks and waits at the front to recompute."""
         self.running.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
 
 def _order(seq: Sequence) -> tuple[int, int]:
