@@ -90,11 +90,24 @@ struct Dtype<__nv_bfloat16> {
 
 // Pair arithmetic on raw 32-bit registers holding two T values.
 template <typename T>
-__device__ inline uint32_t pair_op(uint32_t a, uint32_t b, int op) {
-  using T2 = typename Dtype<T>::T2;
-  const T2 x = *reinterpret_cast<const T2*>(&a), y = *reinterpret_cast<const T2*>(&b);
-  const T2 r = op == 0 ? __hadd2(x, y) : op == 1 ? __hsub2(x, y) : __hmul2(x, y);
-  return *reinterpret_cast<const uint32_t*>(&r);
+__device__ inline typename Dtype<T>::T2 as_pair(uint32_t bits) {
+  return *reinterpret_cast<const typename Dtype<T>::T2*>(&bits);
+}
+template <typename T>
+__device__ inline uint32_t as_bits(typename Dtype<T>::T2 pair) {
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+template <typename T>
+__device__ inline uint32_t add2(uint32_t a, uint32_t b) {
+  return as_bits<T>(__hadd2(as_pair<T>(a), as_pair<T>(b)));
+}
+template <typename T>
+__device__ inline uint32_t sub2(uint32_t a, uint32_t b) {
+  return as_bits<T>(__hsub2(as_pair<T>(a), as_pair<T>(b)));
+}
+template <typename T>
+__device__ inline uint32_t mul2(uint32_t a, uint32_t b) {
+  return as_bits<T>(__hmul2(as_pair<T>(a), as_pair<T>(b)));
 }
 
 struct Params {
@@ -284,7 +297,7 @@ __device__ inline void compute(const Stage<MT, PQ>& s, bool has_zeros, float (&a
         const int qi = PQ ? q : 0;
         sc[h][q] = half_of(s.scale[h][qi], c);
         // MAGIC + z' is exact: z' <= 16 lands on an integer step of MAGIC's binade
-        zb[h][q] = has_zeros ? pair_op<T>(kMagic, half_of(s.zero[h][qi], c), 0) : kDefaultZero;
+        zb[h][q] = has_zeros ? add2<T>(kMagic, half_of(s.zero[h][qi], c)) : kDefaultZero;
       }
     }
     float part[MT][4] = {};  // block sums on exact integers (one group per block)
@@ -296,8 +309,8 @@ __device__ inline void compute(const Stage<MT, PQ>& s, bool has_zeros, float (&a
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          deq[h][q] = pair_op<T>(nibble_pair(w[h] >> (4 * q), kMagic), zb[h][q], 1);
-          if constexpr (PQ) deq[h][q] = pair_op<T>(deq[h][q], sc[h][q], 2);
+          deq[h][q] = sub2<T>(nibble_pair(w[h] >> (4 * q), kMagic), zb[h][q]);
+          if constexpr (PQ) deq[h][q] = mul2<T>(deq[h][q], sc[h][q]);
         }
       }
 #pragma unroll
