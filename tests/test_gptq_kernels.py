@@ -184,13 +184,16 @@ def test_cuda_kernel_work_split_on_host(
 
 # --- the Triton kernels through the real compiler (sm_90), no GPU needed ------------------
 
-AOT_VARIANTS = [  # (kernel, dtype, BLOCK_M, BLOCK_N, SCALE_MODE, HAS_ZEROS, HAS_BIAS, USE_SPLIT_K)
-    ("gemv", "fp16", 16, 64, 0, False, False, True),
-    ("gemv", "bf16", 16, 64, 1, True, True, True),
-    ("gemv", "fp16", 16, 64, 2, True, False, False),
-    ("gemm", "fp16", 64, 128, 0, False, True, False),
-    ("gemm", "bf16", 32, 128, 0, True, False, True),
-    ("gemm", "fp16", 128, 128, 1, False, False, False),
+AOT_VARIANTS = [  # (kernel, dtype, BLOCK_M, BLOCK_N, SCALE_MODE, HAS_ZEROS, HAS_BIAS, USE_SPLIT_K,
+    #  SWAP_AB)
+    ("gemv", "fp16", 16, 64, 0, False, False, True, False),
+    ("gemv", "bf16", 16, 64, 1, True, True, True, False),
+    ("gemv", "fp16", 16, 64, 2, True, False, False, False),
+    ("gemv", "bf16", 16, 128, 0, False, True, True, True),
+    ("gemm", "fp16", 64, 128, 0, False, True, False, False),
+    ("gemm", "bf16", 32, 128, 0, True, False, True, False),
+    ("gemm", "fp16", 128, 128, 1, False, False, False, False),
+    ("gemm", "fp16", 128, 128, 0, True, True, False, True),
 ]
 
 
@@ -204,9 +207,10 @@ def aot_compile_variants() -> list[str]:
     from triton_kernels.gptq_gemv import gptq_gemv_kernel
 
     done = []
-    for name, dtype, bm, bn, mode, zeros, bias, split in AOT_VARIANTS:
+    for name, dtype, bm, bn, mode, zeros, bias, split, swap in AOT_VARIANTS:
         kernel = gptq_gemv_kernel if name == "gemv" else gptq_gemm_kernel
         consts = {"BLOCK_M": bm, "BLOCK_N": bn, "SCALE_MODE": mode, "HAS_ZEROS": zeros}
+        consts |= {"SWAP_AB": swap}
         consts |= {"HAS_BIAS": bias, "USE_SPLIT_K": split} | (
             {"GROUP_M": 8} if name == "gemm" else {}
         )
@@ -223,7 +227,7 @@ def aot_compile_variants() -> list[str]:
         source = ASTSource(kernel, signature, keyed)
         options = {"num_warps": 8 if bm == 128 else 4, "num_stages": 3}
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-        done.append(f"{name}-{dtype}-{bm}x{bn}-mode{mode}")
+        done.append(f"{name}-{dtype}-{bm}x{bn}-mode{mode}-swap{int(swap)}")
     return done
 
 
@@ -240,17 +244,18 @@ def test_triton_kernels_compile_for_sm90() -> None:
     assert run.stdout.strip() == str(len(AOT_VARIANTS))
 
 
-@pytest.mark.parametrize("unpack", [0, 1])
+@pytest.mark.parametrize(("unpack", "swap_ab"), [(0, 0), (1, 0), (0, 1), (1, 1)])
 @pytest.mark.parametrize("m", [2, 20])
+@pytest.mark.parametrize("group_size", [64, 128])  # scaled weights / scaled exact sums
 def test_table_configs_unpack_variants_and_fixed_split(
-    unpack: int, m: int, monkeypatch: pytest.MonkeyPatch
+    unpack: int, swap_ab: int, m: int, group_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A per-shape TUNED entry wins over the M tables; both dequantizations and a fixed split
-    (more splits than blocks is clamped) give the reference result."""
-    ck = make_checkpoint(seed=9, k=384, n=48, group_size=64, zero_mode="v1", bias=True)
+    """A per-shape TUNED entry wins over the M tables; both dequantizations, both operand
+    orders and a fixed split (more splits than blocks is clamped) give the reference result."""
+    ck = make_checkpoint(seed=9, k=384, n=48, group_size=group_size, zero_mode="v1", bias=True)
     lin = GPTQLinear([ck.tensors], ck.config, torch.float32)
-    small = gptq_configs.KernelConfig(16, 32, 4, 2, split_k=8, unpack=unpack)
-    large = gptq_configs.KernelConfig(16, 16, 4, 2, split_k=2, unpack=unpack)
+    small = gptq_configs.KernelConfig(16, 32, 4, 2, split_k=8, unpack=unpack, swap_ab=swap_ab)
+    large = gptq_configs.KernelConfig(16, 16, 4, 2, split_k=2, unpack=unpack, swap_ab=swap_ab)
     monkeypatch.setitem(gptq_configs.TUNED, ("small", 48, 384), ((16, small),))
     monkeypatch.setitem(gptq_configs.TUNED, ("large", 48, 384), ((64, large),))
     assert gptq_configs.pick_config(m <= 16, m, 48, 384) == (small if m <= 16 else large)

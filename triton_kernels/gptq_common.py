@@ -176,8 +176,14 @@ def accumulate_blocks(
     SCALE_MODE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     UNPACK: tl.constexpr,  # 0: nibble pairs joined (`dequant_block`), 1: `dequant_block_bcast`
+    SWAP_AB: tl.constexpr = False,  # compute out^T = W x^T: the dequantized weights are the A
 ):
-    """fp32 [BLOCK_M, BLOCK_N] partial product over the 128-row blocks [block_start, block_end)."""
+    """fp32 [BLOCK_M, BLOCK_N] partial product over the 128-row blocks [block_start, block_end).
+
+    SWAP_AB: the products are formed as out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, 128] x^T, so the
+    weights dequantized in registers are tl.dot's first operand (which Hopper's wgmma can take
+    from registers; the second operand must sit in shared memory) and the activation tile is
+    the second, read transposed; the result is transposed once at the end."""
     n_mask = offs_n < N
     m_mask = offs_m < M
     offs_r = tl.arange(0, 16)
@@ -186,7 +192,10 @@ def accumulate_blocks(
     # one group per block and a small tile: scaling [BLOCK_M, BLOCK_N] sums beats scaling
     # [128, BLOCK_N] weights (and is exact); large tiles scale the weights instead
     POST_SCALE: tl.constexpr = SCALE_MODE == 0 and BLOCK_M <= 32
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # group parameters are fetched one block ahead: their load is off the loop's critical path
     # (the pipeliner only prefetches the weight and activation tiles)
     s_next, z_next = load_group_params(
@@ -211,11 +220,19 @@ def accumulate_blocks(
         x_mask = m_mask[:, None] & (k < K)[None, :]
         xv = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
         # --- tensor cores; with POST_SCALE the exact integer product is scaled once per block
-        if POST_SCALE:
+        if SWAP_AB:
+            if POST_SCALE:
+                part = _dot(tl.trans(w), tl.trans(xv), tl.zeros_like(acc))
+                acc += part * tl.reshape(s, (BLOCK_N, 1)).to(tl.float32)
+            else:
+                acc = _dot(tl.trans(w), tl.trans(xv), acc)
+        elif POST_SCALE:
             part = _dot(xv, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
             acc += part * tl.reshape(s, (1, BLOCK_N)).to(tl.float32)
         else:
             acc = _dot(xv, w, acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     return acc
 
 

@@ -25,6 +25,7 @@ class KernelConfig:
     group_m: int = 8  # row tiles sharing a column slab (GEMM tile order)
     split_k: int = 0  # K splits; 0: chosen by `split_k` to fill SPLIT_K_WAVES waves
     unpack: int = 0  # dequantization: 0 nibble pairs + join, 1 one nibble per element
+    swap_ab: int = 0  # 1: the dequantized weights are tl.dot's first operand (out^T = W x^T)
 
 
 # (largest M, config) in increasing M; the last entry has no bound.

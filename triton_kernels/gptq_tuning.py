@@ -24,21 +24,28 @@ Timer = Callable[[list[Any], int, Callable[..., Any]], float]  # (weights, m, ca
 
 
 def small_candidates() -> list[KernelConfig]:
-    """Split-K GEMV configs: BLOCK_N x SPLIT_K x warps x unpack (48), 4 stages."""
+    """Split-K GEMV configs: BLOCK_N x SPLIT_K x warps x unpack (48), 4 stages, and the
+    swapped-operand form (weights as tl.dot's first operand) of the narrower ones (12)."""
     grid = itertools.product((64, 128, 256), (2, 4, 8, 16), (4, 8), (4,), (0, 1))
-    return [
+    found = [
         KernelConfig(16, bn, warps, stages, split_k=split, unpack=unpack)
         for bn, split, warps, stages, unpack in grid
     ]
+    swapped = itertools.product((64, 128), (2, 4, 8), (0, 1))
+    found += [
+        KernelConfig(16, bn, 4, 4, split_k=split, unpack=unpack, swap_ab=1)
+        for bn, split, unpack in swapped
+    ]
+    return found
 
 
 def large_candidates(m: int) -> list[KernelConfig]:
-    """GEMM configs: BLOCK_M x BLOCK_N x warps x stages (dequant variant 1), split-K auto,
-    plus the untuned default (dequant variant 0) as the baseline."""
-    grid = itertools.product((64, 128), (128, 256), (4, 8), (3, 4))
+    """GEMM configs: BLOCK_M x BLOCK_N x warps x stages x operand order (dequant variant 1),
+    split-K auto, plus the untuned default (dequant variant 0) as the baseline."""
+    grid = itertools.product((64, 128), (128, 256), (4, 8), (3, 4), (0, 1))
     found = [
-        KernelConfig(bm, bn, warps, stages, unpack=1)
-        for bm, bn, warps, stages in grid
+        KernelConfig(bm, bn, warps, stages, unpack=1, swap_ab=swap)
+        for bm, bn, warps, stages, swap in grid
         if bm <= max(64, m)
     ]
     return [cfgs.large_m_config(m), *found]
@@ -125,7 +132,8 @@ def _bound(bound: int) -> str:
 
 def _config(cfg: KernelConfig) -> str:
     fields = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.group_m, cfg.split_k)
-    return f"KernelConfig({', '.join(map(str, (*fields, cfg.unpack)))})"
+    swap = f", swap_ab={cfg.swap_ab}" if cfg.swap_ab else ""
+    return f"KernelConfig({', '.join(map(str, (*fields, cfg.unpack)))}{swap})"
 
 
 __all__ = ["format_table", "sweep_and_apply", "sweep_shape"]
