@@ -110,6 +110,8 @@ def sweep_and_apply(timer: Timer, weights: list[Any]) -> dict[str, Any]:
                 cfgs.TUNED[(kind, r["n"], r["k"])] = tuple(entries)
     table = format_table(results)
     print(table, flush=True)
+    for r in results:  # JSON-ready: the winners as their config text
+        r["best"] = {kind: [[b, repr(c)] for b, c in e] for kind, e in r["best"].items()}
     return {"shapes": results, "table": table}
 
 
