@@ -64,16 +64,23 @@ def test_llama3_shaped_model_cuda_matches_cpu(tmp_path: Path) -> None:
     compare_devices(str(folder), LLAMA3_SHAPE["vocab_size"])
 
 
-def test_smollm2_cuda_matches_cpu() -> None:
+def smollm2_dir() -> str:
+    """The embedded default model, or a skip on a GPU machine that lacks its package."""
+    from pagedq.errors import ModelNotFoundError
     from pagedq.loader.default_model import default_model_dir
 
-    compare_devices(str(default_model_dir()), 49152)
+    try:
+        return str(default_model_dir())
+    except ModelNotFoundError as exc:
+        pytest.skip(f"the default model is not installed here: {exc}")
+
+
+def test_smollm2_cuda_matches_cpu() -> None:
+    compare_devices(smollm2_dir(), 49152)
 
 
 def test_bf16_engine_runs_and_prefix_modes_agree() -> None:
-    from pagedq.loader.default_model import default_model_dir
-
-    folder = str(default_model_dir())
+    folder = smollm2_dir()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     system = "You are a helpful assistant. " * 40
     batch = [system + f"Question {i}: what is {i} + {i}?" for i in range(48)]

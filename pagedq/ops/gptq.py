@@ -36,9 +36,9 @@ BACKEND_ENV = "PAGEDQ_GPTQ_BACKEND"
 BACKENDS = ("auto", "cuda", "triton", "torch")
 
 # Dispatch thresholds on M (rows of x), set from bench/bench_gptq.py on an H200.
-CUDA_EXT_MAX_M = (
-    6  # auto: CUDA kernel up to here (H200 stack: M=6 2.24 ms vs Triton 2.34, M=8 2.60 vs 2.35)
-)
+# auto: the CUDA kernel up to here (H200 stacks, gptq_w4a_2026-11-30b: M=1 1.98 ms vs Triton
+# 2.24, M=6 2.26 vs 2.27, M=8 2.61 vs 2.28)
+CUDA_EXT_MAX_M = 6
 SMALL_M_MAX_M = 16  # small-M kernels (CUDA or Triton split-K GEMV) up to here, tiled GEMM above
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
