@@ -31,7 +31,8 @@
 // Split tiles. A CTA's partial sums for a tile it shares go to workspace slot tile + cta (unique:
 // along the staircase of (tile, cta) pairs both only grow). The last of the tile's contributors to
 // arrive (counter in locks) sums the slots in CTA order, so results do not depend on timing, and
-// resets the counter: locks is all zeros between launches.
+// resets the counter: locks is all zeros between launches. Only thread 0 synchronises at GPU scope
+// (one acquire-release atomic between two CTA barriers, see arrive).
 //
 // PDL (programmatic dependent launch, sm_90+): each CTA lets the next kernel launch at once and
 // copies its first weights before waiting for the previous kernel; x, out, workspace and locks
@@ -378,6 +379,19 @@ __device__ inline void write_out(const Params& p, int tile, int m, int col, floa
   static_cast<uint16_t*>(p.out)[static_cast<int64_t>(m) * p.N + n] = Dtype<T>::from_float(v);
 }
 
+// Count this CTA in at a split tile's counter; returns the count before it. One thread's
+// acquire-release atomic, ordered with the CTA's other threads by barriers (as a fence in every
+// thread would be, without stalling each warp until its in-flight copies for the next segment
+// have landed).
+__device__ inline int arrive(int32_t* counter) {
+  int before;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
+               : "=r"(before)
+               : "l"(counter)
+               : "memory");
+  return before;
+}
+
 // Write the CTA's sums for `tile`: directly when it owns the whole tile, else through the
 // workspace, the last contributor to arrive reducing in CTA order.
 template <typename T>
@@ -393,15 +407,13 @@ __device__ inline void flush(const Params& p, int tile, bool whole, const float*
   const int64_t slot_size = static_cast<int64_t>(p.M) * kTileN;
   float* slot = p.workspace + (tile + static_cast<int64_t>(blockIdx.x)) * slot_size;
   for (int i = threadIdx.x; i < valid; i += kThreads) slot[i] = red[i];
-  __threadfence();  // publish the partial before counting this CTA in
-  __syncthreads();
   const int first = owner(static_cast<int64_t>(tile) * p.num_blocks, items, ctas);
   const int last = owner(static_cast<int64_t>(tile + 1) * p.num_blocks - 1, items, ctas);
   __shared__ int is_last;
-  if (threadIdx.x == 0) is_last = atomicAdd(p.locks + tile, 1) == last - first;
-  __syncthreads();
+  __syncthreads();  // the CTA's slot writes happen before thread 0's release below
+  if (threadIdx.x == 0) is_last = arrive(p.locks + tile) == last - first;
+  __syncthreads();  // ... and thread 0's acquire before every thread's reads of the other slots
   if (!is_last) return;
-  __threadfence();
   for (int i = threadIdx.x; i < valid; i += kThreads) {
     float v = 0.0f;  // fixed CTA order: deterministic
     for (int c = first; c <= last; ++c) v += __ldcg(p.workspace + (tile + c) * slot_size + i);
