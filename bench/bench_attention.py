@@ -27,85 +27,46 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
-import math
-import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 from triton.testing import do_bench
 
+from bench.attention_cases import (
+    CASCADE_CONFIGS,
+    CASCADE_OWN,
+    CASCADE_PREFIX_SPLITS,
+    DECODE_CASES,
+    DECODE_CONFIGS,
+    DECODE_SPLITS,
+    DEVICE,
+    DTYPE,
+    HEAD_DIM,
+    PAGE,
+    PREFILL_CASES,
+    PREFILL_CONFIGS,
+    DecodeArgs,
+    DecodeCase,
+    PagedPool,
+    PrefillCase,
+    Timing,
+    build_pool,
+    contiguous_kv,
+    sample_lengths,
+)
+from bench.attention_report import environment, markdown, summary
 from pagedq.ops import attention as attn
 from triton_kernels import paged_cascade, paged_decode, paged_prefill
 from triton_kernels.paged_cascade import CascadeConfig
 from triton_kernels.paged_decode import DecodeConfig
 from triton_kernels.paged_prefill import PrefillConfig
-
-COPY_CEILING_TBS = 4.28
-PAGE, HEAD_DIM, DTYPE, DEVICE = 16, 128, torch.bfloat16, "cuda"
-
-
-@dataclass(frozen=True)
-class DecodeCase:
-    name: str
-    batch: int
-    mean_own: int  # mean of each sequence's own tokens
-    kv_heads: int = 8
-    heads: int = 32
-    shared: int = 0  # shared prefix tokens (a multiple of PAGE)
-    flashinfer_ref_us: float | None = None  # targets.md, measured 2026-11-29
-    target_us: float | None = None
-
-
-DECODE_CASES = [
-    DecodeCase("B=64 mean 2191", 64, 2191, flashinfer_ref_us=168.7, target_us=160),
-    DecodeCase("B=64 mean 559", 64, 559, flashinfer_ref_us=58.9, target_us=55),
-    DecodeCase("B=256 mean 1001", 256, 1001, flashinfer_ref_us=273.1, target_us=270),
-    DecodeCase("B=64 shared 2048+135", 64, 135, shared=2048, flashinfer_ref_us=84.8, target_us=80),
-    DecodeCase("MHA 32/32 B=64 mean 1001", 64, 1001, kv_heads=32),
-    DecodeCase("B=8 mean 2048", 8, 2048),  # small batch: many splits
-]
-DECODE_CONFIGS = [  # (block_n, num_warps, num_stages); the first is the default
-    (128, 4, 3), (128, 4, 2), (64, 2, 3), (64, 4, 3), (128, 8, 3), (64, 2, 2),
-]  # fmt: skip
-DECODE_SPLITS = [1, 2, 3, 4, 6, 8, 16]
-CASCADE_CONFIGS = [  # prefix kernel (block_m, block_n, num_warps, num_stages); first: default
-    (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 32, 4, 3),
-]  # fmt: skip
-CASCADE_PREFIX_SPLITS = [None, 2, 4, 8, 16]  # None: about one wave of prefix programs
-CASCADE_OWN = [  # own-part decode (tiles, split count) with the default prefix config
-    (None, 1), (None, 2), ((64, 2, 3), None), ((64, 2, 3), 1), ((64, 4, 3), 1),
-]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class PrefillCase:
-    name: str
-    seqs: int
-    new: int  # new tokens per sequence
-    cached: int = 0  # cached prefix tokens per sequence
-    kv_heads: int = 8
-    heads: int = 32
-
-
-PREFILL_CASES = [
-    PrefillCase("4 x 2048 new", 4, 2048),
-    PrefillCase("16 x 512 new", 16, 512),
-    PrefillCase("8 x 1024 new", 8, 1024),  # where m64/n32 hands over to m128/n64
-    PrefillCase("8 x (1536 cached + 512 new)", 8, 512, cached=1536),
-]
-PREFILL_CONFIGS = [  # (block_m, block_n, num_warps, num_stages)
-    (128, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3),
-    (128, 64, 4, 4), (64, 32, 4, 4), (64, 32, 2, 3),
-]  # fmt: skip
-
-Timing = float | str  # microseconds, or why it could not be measured
 
 
 def _failed(exc: Exception) -> str:
@@ -175,54 +136,6 @@ def compiled_info(jit_fn: object, seen: set[int]) -> list[dict]:
     return info
 
 
-def sample_lengths(n: int, mean: int, gen: torch.Generator) -> list[int]:
-    lo, hi = max(mean // 2, 1), max(3 * mean // 2, 1)
-    lens = torch.randint(lo, hi + 1, (n,), generator=gen)
-    diff = mean * n - int(lens.sum())
-    for i in torch.randperm(n, generator=gen).tolist():  # nudge to the exact mean
-        step = max(min(diff, hi - int(lens[i])), lo - int(lens[i]))
-        lens[i] += step
-        diff -= step
-    return lens.tolist()
-
-
-@dataclass
-class PagedPool:
-    k_cache: torch.Tensor  # [num_blocks, PAGE, kv_heads, HEAD_DIM]
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor  # [num_seqs, max_pages] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32
-    lens: list[int]
-    pages: list[list[int]]  # each sequence's page ids
-
-
-def build_pool(lens_own: list[int], shared: int, kv_heads: int, gen: torch.Generator) -> PagedPool:
-    own_pages = [math.ceil(n / PAGE) for n in lens_own]
-    num_blocks = shared // PAGE + sum(own_pages) + 1
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    prefix, rest = perm[: shared // PAGE], perm[shared // PAGE :]
-    starts = [sum(own_pages[:i]) for i in range(len(own_pages))]
-    pages = [prefix + rest[a : a + n] for a, n in zip(starts, own_pages, strict=True)]
-    tables = torch.zeros(len(lens_own), max(len(p) for p in pages), dtype=torch.int32)
-    for i, p in enumerate(pages):
-        tables[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
-    shape = (num_blocks, PAGE, kv_heads, HEAD_DIM)
-    lens = [shared + n for n in lens_own]
-    k, v = (torch.randn(shape, dtype=DTYPE, device=DEVICE) for _ in range(2))
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    return PagedPool(k, v, tables.to(DEVICE), seq_lens, lens, pages)
-
-
-def contiguous_kv(pool: PagedPool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, kv_heads, Lmax, D] copies of the paged K/V and a [B, 1, 1, Lmax] key mask."""
-    max_len = max(pool.lens)
-    pages = pool.block_tables[:, : math.ceil(max_len / PAGE)].long()
-    k = pool.k_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).contiguous()
-    v = pool.v_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).contiguous()
-    mask = torch.arange(max_len, device=DEVICE)[None, :] < pool.seq_lens[:, None]
-    return k, v, mask[:, None, None, :]
-
-
 def flashinfer_decode(pool: PagedPool, case: DecodeCase, q: torch.Tensor, tensor_cores: bool):
     """A run() closure of flashinfer's paged decode, planned here; a string if unavailable."""
     try:
@@ -277,7 +190,7 @@ def bench_decode_case(case: DecodeCase, gen: torch.Generator) -> dict:
     scale, max_len = HEAD_DIM**-0.5, max(pool.lens)
     kv_tokens = case.shared + sum(n - case.shared for n in pool.lens)
     nbytes = 2 * kv_tokens * case.kv_heads * HEAD_DIM * 2 + 2 * q.numel() * 2
-    args = (q, pool.k_cache, pool.v_cache, pool.block_tables, pool.seq_lens)
+    args: DecodeArgs = (q, pool.k_cache, pool.v_cache, pool.block_tables, pool.seq_lens)
     row: dict = {"case": asdict(case), "name": case.name, "target_us": case.target_us,
                  "flashinfer_ref_us": case.flashinfer_ref_us, "bytes": nbytes,
                  "mean_len": sum(pool.lens) / len(pool.lens), "max_len": max_len}  # fmt: skip
@@ -321,7 +234,9 @@ def bench_decode_case(case: DecodeCase, gen: torch.Generator) -> dict:
     return row
 
 
-def bench_cascade(row: dict, case: DecodeCase, args: tuple, scale: float, max_len: int) -> None:
+def bench_cascade(
+    row: dict, case: DecodeCase, args: DecodeArgs, scale: float, max_len: int
+) -> None:
     """The cascade path on the same inputs: public op, then prefix x own-part sweeps."""
     prefix = case.shared
     public = lambda: attn.paged_decode_attention(
@@ -419,7 +334,7 @@ def bench_prefill_case(case: PrefillCase, gen: torch.Generator) -> dict:
     for bm, bn, warps, stages in PREFILL_CONFIGS:
         c = PrefillConfig(bm, bn, warps, stages)
         sweep[f"m{bm}/n{bn}/w{warps}/s{stages}"] = eager_us(
-            lambda c=c: paged_prefill.launch(*args, scratch, scale, c)
+            functools.partial(paged_prefill.launch, *args, scratch, scale, c)
         )
     row["sweep_us"], row["best"] = sweep, _best(sweep)
     row["best_us"] = sweep[row["best"]]
@@ -434,101 +349,6 @@ def bench_prefill_case(case: PrefillCase, gen: torch.Generator) -> dict:
         row["pagedq_vs_sdpa"] = row["pagedq_us"] / row["sdpa_us"]
         row["best_vs_sdpa"] = row["best_us"] / row["sdpa_us"]
     return row
-
-
-def environment() -> dict:
-    try:
-        import flashinfer  # type: ignore[import-not-found]
-
-        fi_version = getattr(flashinfer, "__version__", "unknown")
-    except Exception:
-        fi_version = None
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "flashinfer": fi_version, "python": platform.python_version(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "dtype": str(DTYPE), "page_size": PAGE, "head_dim": HEAD_DIM,
-    }  # fmt: skip
-
-
-def _fmt(x: object, digits: int = 1) -> str:
-    return f"{x:.{digits}f}" if isinstance(x, float) else ("-" if x is None else str(x)[:32])
-
-
-DECODE_COLUMNS = [  # (header, row key, digits)
-    ("case", "name", 0), ("pagedq eager", "pagedq_us", 1),
-    ("pagedq device", "pagedq_device_us", 1), ("TB/s", "pagedq_device_tbs", 2),
-    ("pagedq host", "pagedq_host_us", 1),
-    ("plan", "auto", 0), ("best swept device", "best_device_us", 1), ("config", "best", 0),
-    ("flashinfer eager", "flashinfer_us", 1), ("flashinfer device", "flashinfer_device_us", 1),
-    ("TB/s", "flashinfer_device_tbs", 2), ("target", "target_us", 1),
-    ("flashinfer (targets.md)", "flashinfer_ref_us", 1),
-]  # fmt: skip
-CASCADE_COLUMNS = [
-    ("case", "name", 0), ("pagedq cascade eager", "cascade_us", 1),
-    ("cascade device", "cascade_device_us", 1), ("cascade host", "cascade_host_us", 1),
-    ("plan", "cascade_plan", 0), ("best swept device", "cascade_best_device_us", 1),
-    ("config", "cascade_best", 0), ("plain pagedq device", "pagedq_device_us", 1),
-    ("flashinfer device", "flashinfer_device_us", 1), ("target", "target_us", 1),
-    ("max diff vs plain", "cascade_max_abs_diff_vs_plain", 4),
-]  # fmt: skip
-PREFILL_COLUMNS = [
-    ("case", "name", 0), ("pagedq", "pagedq_us", 1), ("TFLOP/s", "pagedq_tflops", 1),
-    ("config", "auto", 0), ("best swept", "best_us", 1), ("TFLOP/s", "best_tflops", 1),
-    ("config", "best", 0), ("SDPA", "sdpa_us", 1), ("TFLOP/s", "sdpa_tflops", 1),
-    ("SDPA backend", "sdpa_backend", 0), ("pagedq / SDPA", "pagedq_vs_sdpa", 2),
-    ("best / SDPA", "best_vs_sdpa", 2),
-]  # fmt: skip
-
-
-def _table(columns: list[tuple[str, str, int]], rows: list[dict]) -> list[str]:
-    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + " --- |" * len(columns)]
-    for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(key), d) for _, key, d in columns) + " |")
-    return lines
-
-
-def markdown(env: dict, decode: list[dict], prefill: list[dict]) -> str:
-    lines = [
-        f"# Paged attention, {env['gpu']}, {env['date']}", "",
-        f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, "
-        f"flashinfer {env['flashinfer']}, Python {env['python']}; `{env['command']}`", "",
-        "## Decode (bf16, page 16, head_dim 128); µs (eager: host included; device: CUDA "
-        "graph), TB/s of device time vs the 4.28 TB/s copy ceiling", "",
-        *_table(DECODE_COLUMNS, decode), "",
-        "## Decode over a shared prefix: pagedq cascade (shared_prefix_len = the prefix)", "",
-        *_table(CASCADE_COLUMNS, [r for r in decode if "cascade_us" in r]), "",
-        "## Prefill (bf16, 32/8 heads, head_dim 128); eager µs and TFLOP/s", "",
-        *_table(PREFILL_COLUMNS, prefill),
-    ]  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
-def summary(decode: list[dict], prefill: list[dict]) -> str:
-    def count(pairs: list[tuple[object, object]]) -> str:
-        wins = sum(isinstance(a, float) and isinstance(b, int | float) and a <= b for a, b in pairs)
-        return f"{wins}/{len(pairs)}"
-
-    eager = count([(r["pagedq_us"], r["flashinfer_us"]) for r in decode])
-    device = count([(r["pagedq_device_us"], r["flashinfer_device_us"]) for r in decode])
-    met = count([(_fastest(r), r["target_us"]) for r in decode if r["target_us"]])
-    close = count([(r.get("pagedq_vs_sdpa"), 1.3) for r in prefill])
-    shared = [r for r in decode if "cascade_us" in r]
-    cascade = count([(r["cascade_device_us"], r["flashinfer_device_us"]) for r in shared])
-    return (
-        f"decode at or under flashinfer on {eager} cases eager, {device} device; eager targets "
-        f"met on {met} (cascade where shared); cascade device at or under flashinfer on "
-        f"{cascade}; prefill within 1.3x of SDPA on {close}"
-    )
-
-
-def _fastest(row: dict) -> Timing:
-    """pagedq's eager time, the cascade's where the case has one and it is faster."""
-    times = [t for t in (row["pagedq_us"], row.get("cascade_us")) if isinstance(t, float)]
-    return min(times) if times else row["pagedq_us"]
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -29,7 +30,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import triton
@@ -220,7 +221,7 @@ def module_stack(layers: list[torch.nn.Module], m: int) -> Stack:
 
     def run() -> None:
         for lin in layers:
-            lin(xs[lin.in_features])
+            lin(xs[cast(int, lin.in_features)])
 
     return run
 
@@ -242,7 +243,7 @@ def accuracy(weights: list[PackedGPTQWeight], ms: list[int]) -> dict[str, float]
         for backend in paths:
             for w in weights[: len(SHAPES)]:
                 x = torch.randn(m, w.in_features, device="cuda", dtype=torch.float16)
-                out = with_backend(backend, lambda x=x, w=w: ops.gptq_matmul(x, w)).float()
+                out = with_backend(backend, functools.partial(ops.gptq_matmul, x, w)).float()
                 ref = ops.gptq_matmul_reference(x.float(), replace(w, scales=w.scales.float()))
                 key = f"M={m} {backend}"
                 worst[key] = max(
@@ -348,7 +349,7 @@ def main() -> None:
     for m in ms:
         row = results["rows"].setdefault(str(m), {})
         row["pagedq"] = with_backend(
-            "auto", lambda m=m: measure(pagedq_stack(weights, m), nbytes, args.repeats)
+            "auto", functools.partial(measure, pagedq_stack(weights, m), nbytes, args.repeats)
         )
         print(
             f"  M={m}: pagedq {row['pagedq']['graph_ms']:.3f} ms ({row['pagedq']['eager_ms']:.3f})",
@@ -364,7 +365,7 @@ def main() -> None:
         results["config_sweep"] = sweep_and_apply(timer, weights)
         for m in ms:
             results["rows"][str(m)]["pagedq_tuned"] = with_backend(
-                "auto", lambda m=m: measure(pagedq_stack(weights, m), nbytes, args.repeats)
+                "auto", functools.partial(measure, pagedq_stack(weights, m), nbytes, args.repeats)
             )
             tuned = results["rows"][str(m)]["pagedq_tuned"]["graph_ms"]
             print(f"  M={m}: pagedq with the swept table {tuned:.3f} ms", flush=True)
