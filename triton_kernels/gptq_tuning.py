@@ -41,13 +41,19 @@ def small_candidates() -> list[KernelConfig]:
 
 def large_candidates(m: int) -> list[KernelConfig]:
     """GEMM configs: BLOCK_M x BLOCK_N x warps x stages x operand order (dequant variant 1),
-    split-K auto, plus the untuned default (dequant variant 0) as the baseline."""
+    split-K auto, plus the untuned default (dequant variant 0) as the baseline. From 256 rows
+    also 256-row swapped tiles, which dequantize each weight tile once for all 256 rows."""
     grid = itertools.product((64, 128), (128, 256), (4, 8), (3, 4), (0, 1))
     found = [
         KernelConfig(bm, bn, warps, stages, unpack=1, swap_ab=swap)
         for bm, bn, warps, stages, swap in grid
         if bm <= max(64, m)
     ]
+    if m >= 256:
+        found += [
+            KernelConfig(256, bn, 8, stages, unpack=1, swap_ab=1)
+            for bn, stages in itertools.product((64, 128), (2, 3))
+        ]
     return [cfgs.large_m_config(m), *found]
 
 
