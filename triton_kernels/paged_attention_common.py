@@ -71,3 +71,24 @@ def attend_key_range(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def store_partial(
+    part_ptr,  # fp32 partial outputs [rows, D_PAD], then their log2-sum-exps [rows]
+    rows,  # [M] int64 partial row of each query row
+    lse_base,  # element offset of the log2-sum-exps
+    offs_d,  # [D_PAD]
+    acc,  # [M, D_PAD] fp32 unnormalised output
+    m_i,  # [M] fp32 running max (base-2 units)
+    l_i,  # [M] fp32 running sum of exp2
+    mask,  # [M] rows to write
+    D_PAD: tl.constexpr,
+):
+    """Write a key range's normalised partial output and its log2-sum-exp per query row, for a
+    reduce kernel to merge; an empty range (l = 0) gives a zero output and -inf."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    tl.store(part_ptr + rows[:, None] * D_PAD + offs_d[None, :], o, mask=mask[:, None])
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    tl.store(part_ptr + lse_base + rows, lse, mask=mask)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels.paged_attention_common import attend_key_range
+from triton_kernels.paged_attention_common import attend_key_range, store_partial
 from triton_kernels.paged_decode import (
     BOUND_BUCKET,
     LOG2E,
@@ -223,14 +223,10 @@ def _cascade_prefix_kernel(
     )  # fmt: skip
 
     # -- epilogue: normalised partial output and log2-sum-exp (-inf, 0 for an empty row) ---
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
     num_heads = GROUP * tl.num_programs(1)
     part_rows = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
-    tl.store(part_ptr + part_rows[:, None] * D_PAD + offs_d[None, :], o, mask=r_mask[:, None])
     lse_base = (num_heads * num_seqs).to(tl.int64) * num_splits * D_PAD
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-    tl.store(part_ptr + lse_base + part_rows, lse, mask=r_mask)
+    store_partial(part_ptr, part_rows, lse_base, offs_d, acc, m_i, l_i, r_mask, D_PAD)
 
 
 # ---------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels.paged_attention_common import attend_key_range
+from triton_kernels.paged_attention_common import attend_key_range, store_partial
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -277,18 +277,15 @@ def _paged_decode_kernel(
     )  # fmt: skip
 
     # -- epilogue: normalised output (0 for an empty range) -----------------------------
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
     num_heads = GROUP * tl.num_programs(1)
     if SPLIT:
         # row of (seq, head, split) in the partials; the log2-sum-exps follow all rows
         part_splits = split_offset + tl.num_programs(2)
         rows = (seq.to(tl.int64) * num_heads + heads) * part_splits + split_offset + split
-        tl.store(part_ptr + rows[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
         lse_base = tl.num_programs(0).to(tl.int64) * num_heads * part_splits * D_PAD
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(part_ptr + lse_base + rows, lse, mask=g_mask)
+        store_partial(part_ptr, rows, lse_base, offs_d, acc, m_i, l_i, g_mask, D_PAD)
     else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = out_ptr + (seq.to(tl.int64) * num_heads + heads) * HEAD_DIM
         o_mask = g_mask[:, None] & d_mask[None, :]
         tl.store(o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
