@@ -90,10 +90,13 @@ def test_act_order_asymmetric_with_bias_and_fusion(backend, m, zero_mode, monkey
     assert (out - ref).abs().max() <= TOLERANCE[torch.float16] * ref.abs().max()
 
 
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("backend", ["cuda", "triton", "auto"])
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_cuda_graph_capture_and_replay(layers, backend, m, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Capture after an eager warm-up. `auto` at M=16 takes the CUDA kernel eagerly but Triton
+    in capture: its first eager call ran Triton, so capture loads no module."""
     lin = layers[(4096, 11008, torch.float16)]
+    packed = lin.segment(0)[0]
     monkeypatch.setenv(BACKEND_ENV, backend)
     static_x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
     side = torch.cuda.Stream()
@@ -102,9 +105,13 @@ def test_cuda_graph_capture_and_replay(layers, backend, m, monkeypatch) -> None:
         for _ in range(2):
             lin(static_x)
     torch.cuda.current_stream().wait_stream(side)
+    eager_path = select_path(static_x, packed)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        captured_path = select_path(static_x, packed)
         static_out = lin(static_x)
+    if backend == "auto" and m == 16 and eager_path == "cuda":
+        assert captured_path == "triton_small"
     for _ in range(3):
         static_x.copy_(torch.randn_like(static_x))
         graph.replay()

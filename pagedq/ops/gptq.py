@@ -7,7 +7,8 @@ test oracle. `gptq_matmul` dispatches by `PAGEDQ_GPTQ_BACKEND`, read on every ca
 - `torch`: the reference (also what `auto` runs on CPU tensors);
 - `auto` on CUDA tensors, by M = rows of x: the CUDA extension's kernel for M <= CUDA_EXT_MAX_M
   (when it built; tensor cores, persistent stream-K grid, see cuda_ext/gptq_gemv.cuh), the
-  Triton split-K GEMV for M <= SMALL_M_MAX_M, the Triton GEMM above;
+  Triton split-K GEMV for M <= SMALL_M_MAX_M, the Triton GEMM above. Outside CUDA-graph capture
+  the CUDA kernel takes every M <= SMALL_M_MAX_M (see _TRITON_LOADED);
 - `cuda`: the CUDA kernel whenever it applies (M <= SMALL_M_MAX_M, fp16/bf16, group size a
   multiple of 32, K a multiple of 8), Triton otherwise or when the extension cannot be built
   (one notice);
@@ -39,6 +40,12 @@ BACKENDS = ("auto", "cuda", "triton", "torch")
 # auto: the CUDA kernel up to here (H200 stacks, gptq_w4a_2026-11-30b: M=1 1.98 ms vs Triton
 # 2.24, M=6 2.26 vs 2.27, M=8 2.61 vs 2.28)
 CUDA_EXT_MAX_M = 6
+# Eager calls are bound by host launch cost (H200 host: about 20 us per call of the CUDA op, about
+# 100 us per Triton launch; eager 7B stack at M=16: 3.6 ms CUDA vs 9.3 Triton), so outside capture
+# `auto` takes the CUDA kernel up to SMALL_M_MAX_M. The first eager call of each of these keys
+# still runs Triton, so the module a later capture picks is loaded already: loading a module
+# (cuModuleLoadData) is not allowed while a stream is capturing.
+_TRITON_LOADED: set[tuple[Any, ...]] = set()
 SMALL_M_MAX_M = 16  # small-M kernels (CUDA or Triton split-K GEMV) up to here, tiled GEMM above
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
@@ -167,10 +174,27 @@ def select_path(x: torch.Tensor, w: PackedGPTQWeight) -> str:
         return "torch"
     if backend == "cuda" and not x.is_cuda:
         raise ValueError(f"{BACKEND_ENV}=cuda needs CUDA tensors, got x on {x.device}")
-    cuda_max_m = CUDA_EXT_MAX_M if backend == "auto" else SMALL_M_MAX_M
+    eager = backend != "auto" or not torch.cuda.is_current_stream_capturing()
+    cuda_max_m = SMALL_M_MAX_M if eager else CUDA_EXT_MAX_M
     if backend != "triton" and m <= cuda_max_m and _cuda_ext_applies(x, w):
         return "cuda"
     return "triton_small" if m <= SMALL_M_MAX_M else "triton_large"
+
+
+def _load_triton_first(
+    path: str, x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None
+) -> str:
+    """`path`, except for the first eager `auto` call of a key that the CUDA kernel takes only
+    outside capture: that one runs Triton (see _TRITON_LOADED)."""
+    m = x.shape[0]
+    if path != "cuda" or m <= CUDA_EXT_MAX_M or gptq_backend() != "auto":
+        return path
+    key = (x.device, x.dtype, m, w.in_features, w.out_features, w.group_size,
+           w.zeros is None, bias is None)  # fmt: skip
+    if key in _TRITON_LOADED:
+        return path
+    _TRITON_LOADED.add(key)
+    return "triton_small"
 
 
 def gptq_matmul_reference(
@@ -204,6 +228,7 @@ def gptq_matmul(
         x2 = x2.index_select(1, w.perm)
     elif x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    path = _load_triton_first(path, x2, w, bias)
     if x2.shape[0] == 0:
         out = x2.new_empty((0, w.out_features))
     elif path == "cuda":
