@@ -96,7 +96,8 @@ std::pair<KernelFn, size_t> variant(int tokens, bool per_quarter) {
 }
 
 struct Launch {
-  int ctas;  // resident CTAs on the whole device: the persistent grid
+  int ctas;  // resident CTAs on the whole device: the persistent grid (CTAs of one launch wait
+            // for each other at split tiles, so the grid must fit on the GPU at once)
   bool pdl;  // programmatic dependent launch (Hopper and newer)
 };
 

@@ -28,11 +28,16 @@
 // the mma runs on those exact integers and the fp32 block sums are scaled once; with 32- or
 // 64-row groups the pairs are scaled in T first (one rounding, as in the reference).
 //
-// Split tiles. A CTA's partial sums for a tile it shares go to workspace slot tile + cta (unique:
-// along the staircase of (tile, cta) pairs both only grow). The last of the tile's contributors to
-// arrive (counter in locks) sums the slots in CTA order, so results do not depend on timing, and
-// resets the counter: locks is all zeros between launches. Only thread 0 synchronises at GPU scope
-// (one acquire-release atomic between two CTA barriers, see arrive).
+// Split tiles. A tile shared by CTAs first..last is the last segment of CTA first and the first
+// (or only) segment of the others. Those others write their partial sums to workspace slot
+// tile + cta (unique: along the staircase of (tile, cta) pairs both only grow) and, when their
+// range is done, count in at the tile's counter in locks (a release, nothing waits for it).
+// CTA first keeps its own sums in shared memory, waits at its end until the count is complete,
+// adds the slots in CTA order (results do not depend on timing) and resets the counter: locks is
+// all zeros between launches. No CTA waits for a GPU-scope round trip in the middle of its range
+// (an acquire-release arrival there cost about 2 us on the H200). CTA first waits only for
+// higher-numbered CTAs of the same grid; all of them have started before any kernel that depends
+// on this one can take their place (PDL), and the grid fits on the GPU at once.
 //
 // PDL (programmatic dependent launch, sm_90+): each CTA lets the next kernel launch at once and
 // copies its first weights before waiting for the previous kernel; x, out, workspace and locks
@@ -379,47 +384,63 @@ __device__ inline void write_out(const Params& p, int tile, int m, int col, floa
   static_cast<uint16_t*>(p.out)[static_cast<int64_t>(m) * p.N + n] = Dtype<T>::from_float(v);
 }
 
-// Count this CTA in at a split tile's counter; returns the count before it. One thread's
-// acquire-release atomic, ordered with the CTA's other threads by barriers (as a fence in every
-// thread would be, without stalling each warp until its in-flight copies for the next segment
-// have landed).
-__device__ inline int arrive(int32_t* counter) {
-  int before;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
-               : "=r"(before)
-               : "l"(counter)
-               : "memory");
-  return before;
+// Count this CTA in at a split tile's counter: one thread's release, ordered after the CTA's
+// slot writes by a barrier before it (as a fence in every thread would be).
+__device__ inline void arrive(int32_t* counter) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
 
-// Write the CTA's sums for `tile`: directly when it owns the whole tile, else through the
-// workspace, the last contributor to arrive reducing in CTA order.
+// Wait until a split tile's counter reaches `count` (acquire: the slots are visible after it).
+// `<`, not `!=`: a count left over from a failed launch cannot hang the next one.
+__device__ inline void wait_for(const int32_t* counter, int count) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+  } while (seen < count);
+}
+
+// The CTAs sharing tile `tile`: first..last (owners of its first and last item).
+__host__ __device__ inline void contributors(const Params& p, int tile, int64_t items, int ctas,
+                                             int& first, int& last) {
+  first = owner(static_cast<int64_t>(tile) * p.num_blocks, items, ctas);
+  last = owner(static_cast<int64_t>(tile + 1) * p.num_blocks - 1, items, ctas);
+}
+
+// Write the CTA's sums `red` for `tile`: to out when it owns the whole tile, else to its
+// workspace slot (CTA first keeps them in red instead, see finish).
 template <typename T>
-__device__ inline void flush(const Params& p, int tile, bool whole, const float* red,
-                             int64_t items, int ctas) {
+__device__ inline void flush(const Params& p, int tile, bool whole, const float* red) {
   const int valid = p.M * kTileN;  // red rows past M are not written
-  if (whole) {
-    for (int i = threadIdx.x; i < valid; i += kThreads) {
-      if (tile * kTileN + i % kTileN < p.N) write_out<T>(p, tile, i / kTileN, i % kTileN, red[i]);
-    }
-    return;
-  }
-  const int64_t slot_size = static_cast<int64_t>(p.M) * kTileN;
-  float* slot = p.workspace + (tile + static_cast<int64_t>(blockIdx.x)) * slot_size;
-  for (int i = threadIdx.x; i < valid; i += kThreads) slot[i] = red[i];
-  const int first = owner(static_cast<int64_t>(tile) * p.num_blocks, items, ctas);
-  const int last = owner(static_cast<int64_t>(tile + 1) * p.num_blocks - 1, items, ctas);
-  __shared__ int is_last;
-  __syncthreads();  // the CTA's slot writes happen before thread 0's release below
-  if (threadIdx.x == 0) is_last = arrive(p.locks + tile) == last - first;
-  __syncthreads();  // ... and thread 0's acquire before every thread's reads of the other slots
-  if (!is_last) return;
+  float* slot = p.workspace + (tile + static_cast<int64_t>(blockIdx.x)) * valid;
   for (int i = threadIdx.x; i < valid; i += kThreads) {
-    float v = 0.0f;  // fixed CTA order: deterministic
-    for (int c = first; c <= last; ++c) v += __ldcg(p.workspace + (tile + c) * slot_size + i);
-    if (tile * kTileN + i % kTileN < p.N) write_out<T>(p, tile, i / kTileN, i % kTileN, v);
+    if (!whole) {
+      slot[i] = red[i];
+    } else if (tile * kTileN + i % kTileN < p.N) {
+      write_out<T>(p, tile, i / kTileN, i % kTileN, red[i]);
+    }
   }
-  if (threadIdx.x == 0) p.locks[tile] = 0;
+}
+
+// The CTA's split tiles once its range is done: count in at `shared` (a tile it flushed to its
+// slot; -1: none), then, for `owned` (its last segment, a tile it is first of; -1: none), wait for
+// the other contributors and write red + their slots in CTA order to out.
+template <typename T>
+__device__ inline void finish(const Params& p, int shared, int owned, const float* red,
+                              int64_t items, int ctas) {
+  __syncthreads();  // every thread's slot writes happen before thread 0's release below
+  if (shared >= 0 && threadIdx.x == 0) arrive(p.locks + shared);
+  if (owned < 0) return;
+  int first, last;
+  contributors(p, owned, items, ctas, first, last);
+  if (threadIdx.x == 0) wait_for(p.locks + owned, last - first);
+  __syncthreads();  // ... and thread 0's acquire before every thread's reads of the other slots
+  const int valid = p.M * kTileN;
+  for (int i = threadIdx.x; i < valid; i += kThreads) {
+    float v = red[i];  // fixed CTA order: deterministic
+    for (int c = first + 1; c <= last; ++c) v += __ldcg(p.workspace + (owned + c) * valid + i);
+    if (owned * kTileN + i % kTileN < p.N) write_out<T>(p, owned, i / kTileN, i % kTileN, v);
+  }
+  if (threadIdx.x == 0) p.locks[owned] = 0;
 }
 
 // A CTA's run of blocks [b0, b1) in one column tile; warp w takes blocks b0 + w + i kWarps.
@@ -461,6 +482,7 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * items / ctas;
   const int64_t end = static_cast<int64_t>(blockIdx.x + 1) * items / ctas;
   const bool has_zeros = p.zeros != nullptr;
+  int shared = -1, owned = -1;  // split tiles this CTA counts in at / finishes (see finish)
   uint32_t issued = 0, consumed = 0;  // this warp's blocks so far (ring slot = count % kStages)
 
   // --- the first segment's weights go out before waiting for the previous kernel
@@ -511,11 +533,18 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
       }
     }
     reduce_warps<MT>(acc, red);
-    flush<T>(p, done.tile, done.b0 == 0 && done.b1 == p.num_blocks, red, items, ctas);
+    const bool whole = done.b0 == 0 && done.b1 == p.num_blocks;
+    if (!whole && done.b0 == 0) {
+      owned = done.tile;  // the CTA is the tile's first contributor: red stays for finish
+    } else {
+      if (!whole) shared = done.tile;
+      flush<T>(p, done.tile, whole, red);
+    }
     __syncthreads();  // red is reused by the next segment
     if (!more) break;
   }
   cp_async_wait<0>();
+  finish<T>(p, shared, owned, red, items, ctas);
 }
 
 }  // namespace gptq

@@ -1,11 +1,12 @@
 // Checks the CUDA kernel's work split and shared-memory placement on the CPU (no GPU needed).
 //
 // Usage: host_check TILES NUM_BLOCKS CTAS... Each CTA count is checked with the kernel's own
-// helpers (segment_at, Segment::block, owner, word_offset from gptq_gemv.cuh):
+// helpers (segment_at, Segment::block, contributors, word_offset from gptq_gemv.cuh):
 // - every item (column tile, 128-row block) is taken by exactly one warp of exactly one CTA;
 // - a tile is written directly by a CTA only when that CTA owns all of it; otherwise its
-//   contributors are exactly the CTAs owner() names for its first and last item, and the arrival
-//   count the last contributor waits for (last - first) is reached exactly once;
+//   contributors are exactly the CTAs contributors() names, the tile is the last segment of the
+//   first of them (which finishes it) and the first segment of each other one (which counts in
+//   once, so the count CTA first waits for, last - first, is reached exactly once);
 // - workspace slots tile + cta are unique and below tiles + ctas (the allocation);
 // - each 8-lane phase of a warp's 16-byte ring reads hits 8 distinct 16-byte bank groups.
 // Prints "ok" and exits 0, or names the first violation and exits 1.
@@ -21,7 +22,7 @@ namespace {
 using pagedq::gptq::kBlockK;
 using pagedq::gptq::kTileN;
 using pagedq::gptq::kWarps;
-using pagedq::gptq::owner;
+using pagedq::gptq::contributors;
 using pagedq::gptq::Params;
 using pagedq::gptq::Segment;
 using pagedq::gptq::segment_at;
@@ -41,7 +42,7 @@ int check_split(int tiles, int num_blocks, int ctas) {
   const int64_t items = static_cast<int64_t>(tiles) * num_blocks;
   if (ctas > items) return fail("more CTAs than items", ctas, items, 0);
   std::vector<int> taken(items, 0);
-  std::vector<std::vector<int>> contributors(tiles);  // CTAs flushing a partial of the tile
+  std::vector<std::vector<int>> sharing(tiles);  // CTAs flushing a partial of the tile
   std::vector<int> direct(tiles, 0);
   std::set<int64_t> slots;
   for (int c = 0; c < ctas; ++c) {
@@ -61,7 +62,12 @@ int check_split(int tiles, int num_blocks, int ctas) {
       if (s0.b0 == 0 && s0.b1 == num_blocks) {
         direct[s0.tile] += 1;
       } else {
-        contributors[s0.tile].push_back(c);
+        const bool starts_tile = s0.b0 == 0, first_seg = item == begin;
+        const bool last_seg = item + (s0.b1 - s0.b0) == end;
+        if (starts_tile ? !last_seg : !first_seg) {  // the kernel's shared / owned roles
+          return fail("split tile in an unexpected segment", c, s0.tile, s0.b0);
+        }
+        sharing[s0.tile].push_back(c);
         if (!slots.insert(s0.tile + static_cast<int64_t>(c)).second) {
           return fail("workspace slot used twice", s0.tile, c, 0);
         }
@@ -76,14 +82,14 @@ int check_split(int tiles, int num_blocks, int ctas) {
     if (taken[i] != 1) return fail("item not taken exactly once", i / num_blocks, i % num_blocks, taken[i]);
   }
   for (int t = 0; t < tiles; ++t) {
-    const int first = owner(static_cast<int64_t>(t) * num_blocks, items, ctas);
-    const int last = owner(static_cast<int64_t>(t + 1) * num_blocks - 1, items, ctas);
-    if (direct[t] == 1 && contributors[t].empty() && first == last) continue;
+    int first, last;
+    contributors(p, t, items, ctas, first, last);
+    if (direct[t] == 1 && sharing[t].empty() && first == last) continue;
     if (direct[t] != 0) return fail("tile both written directly and split", t, direct[t], 0);
-    const int count = static_cast<int>(contributors[t].size());
+    const int count = static_cast<int>(sharing[t].size());
     if (count < 2 || count != last - first + 1) return fail("contributor count", t, count, last - first + 1);
     for (int k = 0; k < count; ++k) {
-      if (contributors[t][k] != first + k) return fail("contributors not owner()'s range", t, k, contributors[t][k]);
+      if (sharing[t][k] != first + k) return fail("sharing CTAs not contributors()' range", t, k, sharing[t][k]);
     }
   }
   return 0;

@@ -37,9 +37,9 @@ BACKEND_ENV = "PAGEDQ_GPTQ_BACKEND"
 BACKENDS = ("auto", "cuda", "triton", "torch")
 
 # Dispatch thresholds on M (rows of x), set from bench/bench_gptq.py on an H200.
-# auto: the CUDA kernel up to here (H200 stacks, gptq_w4a_2026-11-30b: M=1 1.98 ms vs Triton
-# 2.24, M=6 2.26 vs 2.27, M=8 2.61 vs 2.28)
-CUDA_EXT_MAX_M = 6
+# auto: the CUDA kernel up to here (H200 stacks in a CUDA graph, gptq_w4a_2026-11-30c_notes.md:
+# CUDA M=1 1.66 ms, M=4 1.72, M=8 1.79, M=16 3.21; Triton split-K GEMV M=1..16 2.21..2.32)
+CUDA_EXT_MAX_M = 8
 # Eager calls are bound by host launch cost (H200 host: about 20 us per call of the CUDA op, about
 # 100 us per Triton launch; eager 7B stack at M=16: 3.6 ms CUDA vs 9.3 Triton), so outside capture
 # `auto` takes the CUDA kernel up to SMALL_M_MAX_M. The first eager call of each of these keys
