@@ -40,13 +40,14 @@ BACKENDS = ("auto", "cuda", "triton", "torch")
 # auto: the CUDA kernel up to here (H200 stacks in a CUDA graph, gptq_w4a_2026-11-30c_notes.md:
 # CUDA M=1 1.66 ms, M=4 1.72, M=8 1.79, M=16 3.21; Triton split-K GEMV M=1..16 2.21..2.32)
 CUDA_EXT_MAX_M = 8
+SMALL_M_MAX_M = 16  # small-M kernels (CUDA or Triton split-K GEMV) up to here, tiled GEMM above
 # Eager calls are bound by host launch cost (H200 host: about 20 us per call of the CUDA op, about
-# 100 us per Triton launch; eager 7B stack at M=16: 3.6 ms CUDA vs 9.3 Triton), so outside capture
+# 100 us per Triton launch; the eager 7B stack at M=16 through gptq_matmul took 14.0 ms on Triton,
+# gptq_w4a_2026-11-30b, and 3.6 ms on the CUDA kernel, gptq_w4a_2026-11-30c), so outside capture
 # `auto` takes the CUDA kernel up to SMALL_M_MAX_M. The first eager call of each of these keys
 # still runs Triton, so the module a later capture picks is loaded already: loading a module
 # (cuModuleLoadData) is not allowed while a stream is capturing.
 _TRITON_LOADED: set[tuple[Any, ...]] = set()
-SMALL_M_MAX_M = 16  # small-M kernels (CUDA or Triton split-K GEMV) up to here, tiled GEMM above
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # arrival counters of split tiles per weight (>= tiles of any launch)
@@ -167,7 +168,8 @@ def gptq_backend() -> str:
 
 
 def select_path(x: torch.Tensor, w: PackedGPTQWeight) -> str:
-    """The kernel `gptq_matmul` runs: 'torch', 'cuda', 'triton_small' or 'triton_large'."""
+    """The kernel `gptq_matmul` runs: 'torch', 'cuda', 'triton_small' or 'triton_large' (except
+    that the first eager `auto` call of a key may run Triton instead, see _load_triton_first)."""
     backend = gptq_backend()
     m = x.numel() // max(int(x.shape[-1]), 1)
     if backend == "torch" or (backend == "auto" and not x.is_cuda):
