@@ -25,205 +25,37 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import triton
 
+from bench.gptq_stacks import (
+    SHAPES,
+    Stack,
+    dense_stack,
+    dense_weights,
+    graphed,
+    marlin_layers,
+    module_stack,
+    pagedq_stack,
+    pagedq_weights,
+    time_ms,
+    tinygemm_layers,
+    tinygemm_stack,
+    weight_bytes,
+)
 from pagedq.ops import gptq as ops
 from pagedq.ops.gptq import PackedGPTQWeight
 
 COPY_CEILING_TBS = 4.28
-LAYERS = 32
-GROUP = 128
-SHAPES = (("qkv", 4096, 12288), ("o", 4096, 4096), ("gate_up", 4096, 22016), ("down", 11008, 4096))
 MS = (1, 16, 64, 256)
 SMALL_MS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 TARGETS_MS = {1: 1.1, 16: 1.4, 64: 3.5}  # targets.md W4a (M=256: within 1.2x of dense fp16)
-Stack = Callable[[], None]
-
-
-def time_ms(fn: Stack, repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of `fn` (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graphed(fn: Stack) -> Stack:
-    """`fn` captured once in a CUDA graph (after a warm-up on a side stream); returns replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def inputs(m: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
-    return {k: torch.randn(m, k, device="cuda", dtype=dtype) for k in (4096, 11008)}
-
-
-# --- the stacks ---------------------------------------------------------------------------
-
-
-def pagedq_weights() -> list[PackedGPTQWeight]:
-    weights = []
-    for _ in range(LAYERS):
-        for _, k, n in SHAPES:
-            weights.append(
-                PackedGPTQWeight(
-                    qweight=torch.randint(
-                        -(2**31),
-                        2**31 - 1,
-                        (-(-k // 128) * 16, n),
-                        dtype=torch.int32,
-                        device="cuda",
-                    ),
-                    scales=(torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).half(),
-                    zeros=None,
-                    perm=None,
-                    locks=torch.zeros(
-                        max(n // 16, ops.MIN_LOCKS), dtype=torch.int32, device="cuda"
-                    ),
-                    in_features=k,
-                    out_features=n,
-                    group_size=GROUP,
-                )
-            )
-    return weights
-
-
-def weight_bytes(weights: list[PackedGPTQWeight]) -> int:
-    return sum(w.qweight.numel() * 4 + w.scales.numel() * 2 for w in weights)
-
-
-def pagedq_stack(
-    weights: list[PackedGPTQWeight], m: int, call: Callable[..., Any] | None = None
-) -> Stack:
-    xs = inputs(m, torch.float16)
-    matmul = call or ops.gptq_matmul
-
-    def run() -> None:
-        for w in weights:
-            matmul(xs[w.in_features], w)
-
-    return run
-
-
-def dense_weights() -> list[torch.Tensor]:
-    return [
-        torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-        for _ in range(LAYERS)
-        for _, k, n in SHAPES
-    ]
-
-
-def dense_stack(weights: list[torch.Tensor], m: int) -> Stack:
-    xs = inputs(m, torch.float16)
-
-    def run() -> None:
-        for w in weights:
-            torch.nn.functional.linear(xs[w.shape[1]], w)
-
-    return run
-
-
-def tinygemm_layers() -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """aten int4 weights (bf16 scales and zeros), one per linear; raises if this torch's
-    signatures differ (they changed across versions)."""
-    layers = []
-    for _, k, n in SHAPES * LAYERS:
-        q = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
-        packed_u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
-        w = torch._convert_weight_to_int4pack(packed_u8, 8)
-        sz = torch.empty(k // GROUP, n, 2, device="cuda", dtype=torch.bfloat16)
-        sz[..., 0].uniform_(0.001, 0.01)
-        sz[..., 1].zero_()
-        torch._weight_int4pack_mm(
-            torch.randn(1, k, device="cuda", dtype=torch.bfloat16), w, GROUP, sz
-        )
-        layers.append((w, sz, k))
-    return layers
-
-
-def tinygemm_stack(layers: list[tuple[torch.Tensor, torch.Tensor, int]], m: int) -> Stack:
-    xs = inputs(m, torch.bfloat16)
-
-    def run() -> None:
-        for w, sz, k in layers:
-            torch._weight_int4pack_mm(xs[k], w, GROUP, sz)
-
-    return run
-
-
-def marlin_class() -> tuple[Any, dict[str, Any]]:
-    """GPTQModel's Marlin linear (renamed MarlinLinear in 7.6) and the extra constructor kwargs."""
-    import inspect
-
-    from gptqmodel.nn_modules.qlinear import marlin  # type: ignore[import-not-found]
-
-    cls = getattr(marlin, "MarlinLinear", None) or marlin.MarlinQuantLinear
-    params = inspect.signature(cls.__init__).parameters
-    extra = {"register_buffers": True} if "register_buffers" in params else {}
-    return cls, extra
-
-
-def marlin_layers() -> list[torch.nn.Module]:
-    cls, extra = marlin_class()
-    layers = []
-    for _ in range(LAYERS):
-        for _, k, n in SHAPES:
-            lin = cls(
-                bits=4,
-                group_size=GROUP,
-                desc_act=False,
-                sym=True,
-                in_features=k,
-                out_features=n,
-                bias=False,
-                **extra,
-            )
-            lin = lin.to("cuda")
-            lin.qweight.data = torch.randint(
-                -(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda"
-            )
-            lin.scales.data = (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).half()
-            lin.qzeros.data = torch.full(
-                (k // GROUP, n // 8), 0x77777777, dtype=torch.int32, device="cuda"
-            )
-            lin.g_idx.data = (torch.arange(k, device="cuda") // GROUP).int()
-            lin.post_init()
-            layers.append(lin)
-    return layers
-
-
-def module_stack(layers: list[torch.nn.Module], m: int) -> Stack:
-    xs = inputs(m, torch.float16)
-
-    def run() -> None:
-        for lin in layers:
-            lin(xs[cast(int, lin.in_features)])
-
-    return run
 
 
 # --- measurement --------------------------------------------------------------------------

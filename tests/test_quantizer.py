@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedq.errors import ConfigError, UnsupportedModelError
+from pagedq.gptq import calibration
 from pagedq.gptq import quantizer as Q
 from pagedq.gptq.checkpoint import load_gptq_config, read_gptq_tensors
 from pagedq.gptq.format import dequantize, unpack_cols, unpack_rows
@@ -201,22 +202,22 @@ def test_singular_hessian_gets_more_damping() -> None:
 
 def test_sample_windows_are_seeded_slices() -> None:
     ids = list(range(1000))
-    a = Q.sample_windows(ids, 6, 50, seed=3)
+    a = calibration.sample_windows(ids, 6, 50, seed=3)
     assert a.shape == (6, 50) and a.dtype == torch.int64
-    assert torch.equal(a, Q.sample_windows(ids, 6, 50, seed=3))
-    assert not torch.equal(a, Q.sample_windows(ids, 6, 50, seed=4))
+    assert torch.equal(a, calibration.sample_windows(ids, 6, 50, seed=3))
+    assert not torch.equal(a, calibration.sample_windows(ids, 6, 50, seed=4))
     assert bool((a[:, 1:] - a[:, :-1] == 1).all())  # consecutive tokens
     with pytest.raises(ConfigError, match="fewer than seq_len=2000"):
-        Q.sample_windows(ids, 1, 2000, seed=0)
+        calibration.sample_windows(ids, 1, 2000, seed=0)
 
 
 def test_bundled_texts() -> None:
     from pagedq.eval_ppl import bundled_eval_text
 
-    calibration, held_out = Q.bundled_calibration_text(), bundled_eval_text()
-    assert 30_000 <= len(calibration.encode()) <= 60_000
+    calib, held_out = calibration.bundled_calibration_text(), bundled_eval_text()
+    assert 30_000 <= len(calib.encode()) <= 60_000
     assert 10_000 <= len(held_out.encode()) <= 20_000
-    shared = {line for line in calibration.splitlines() if len(line) > 40}
+    shared = {line for line in calib.splitlines() if len(line) > 40}
     assert not shared & set(held_out.splitlines())  # held out: no shared paragraph
 
 

@@ -14,7 +14,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedq.errors import ConfigError, UnsupportedModelError
+from pagedq.gptq.calibration import calibration_windows, check_tokens
 from pagedq.gptq.config import GPTQConfig, GPTQTensors
 from pagedq.gptq.rtn import (
     GridSpec,
@@ -258,53 +258,13 @@ def quantize_model(
         quantized = _rtn_model(model, opts, progress)
     else:
         if calibration_tokens is None:
-            calibration_tokens = calibration_windows(src, calibration_text, opts)
-        _check_tokens(calibration_tokens, model.config.vocab_size)
+            calibration_tokens = calibration_windows(
+                src, calibration_text, opts.samples, opts.seq_len, opts.seed
+            )
+        check_tokens(calibration_tokens, model.config.vocab_size)
         quantized = _gptq_model(model, calibration_tokens, opts, progress)
     save_from_source(src, out, quantized, opts.gptq_config())
     return out
-
-
-# --- calibration ----------------------------------------------------------------------------
-
-
-def bundled_calibration_text() -> str:
-    """The calibration text shipped with pagedq (`pagedq/data/calibration.txt`)."""
-    return resources.files("pagedq").joinpath("data/calibration.txt").read_text(encoding="utf-8")
-
-
-def calibration_windows(
-    model_dir: str | os.PathLike[str], text: str | None, opts: QuantizeOptions
-) -> torch.Tensor:
-    """`opts.samples` windows [samples, seq_len] int64 of `text` (None: the bundled text)."""
-    from pagedq.loader.tokenizer import Tokenizer
-
-    text = bundled_calibration_text() if text is None else text
-    ids = Tokenizer.from_model_dir(model_dir).encode(text, add_special_tokens=False)
-    return sample_windows(ids, opts.samples, opts.seq_len, opts.seed)
-
-
-def sample_windows(ids: list[int], samples: int, seq_len: int, seed: int) -> torch.Tensor:
-    """`samples` windows of `seq_len` consecutive tokens at seeded random offsets."""
-    if len(ids) < seq_len:
-        raise ConfigError(
-            f"the calibration text has {len(ids)} tokens, fewer than seq_len={seq_len}"
-        )
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(ids) - seq_len + 1, (samples,), generator=gen)
-    tokens = torch.tensor(ids, dtype=torch.int64)
-    return torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
-
-
-def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
-    if tokens.dim() != 2 or tokens.dtype != torch.int64 or tokens.numel() == 0:
-        raise ConfigError(
-            f"calibration tokens must be a non-empty [samples, seq_len] int64 tensor, "
-            f"got {tokens.dtype} {tuple(tokens.shape)}"
-        )
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ConfigError(f"calibration token ids span [{lo}, {hi}], vocab_size is {vocab_size}")
 
 
 # --- layer by layer -------------------------------------------------------------------------
