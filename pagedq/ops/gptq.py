@@ -176,8 +176,9 @@ def select_path(x: torch.Tensor, w: PackedGPTQWeight) -> str:
         return "torch"
     if backend == "cuda" and not x.is_cuda:
         raise ValueError(f"{BACKEND_ENV}=cuda needs CUDA tensors, got x on {x.device}")
-    eager = backend != "auto" or not torch.cuda.is_current_stream_capturing()
-    cuda_max_m = SMALL_M_MAX_M if eager else CUDA_EXT_MAX_M
+    cuda_max_m = SMALL_M_MAX_M  # under capture, `auto` keeps the measured split
+    if backend == "auto" and m > CUDA_EXT_MAX_M and torch.cuda.is_current_stream_capturing():
+        cuda_max_m = CUDA_EXT_MAX_M
     if backend != "triton" and m <= cuda_max_m and _cuda_ext_applies(x, w):
         return "cuda"
     return "triton_small" if m <= SMALL_M_MAX_M else "triton_large"
