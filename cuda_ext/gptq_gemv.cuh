@@ -30,14 +30,15 @@
 //
 // Split tiles. A tile shared by CTAs first..last is the last segment of CTA first and the first
 // (or only) segment of the others. Those others write their partial sums to workspace slot
-// tile + cta (unique: along the staircase of (tile, cta) pairs both only grow) and, when their
-// range is done, count in at the tile's counter in locks (a release, nothing waits for it).
-// CTA first keeps its own sums in shared memory, waits at its end until the count is complete,
-// adds the slots in CTA order (results do not depend on timing) and resets the counter: locks is
-// all zeros between launches. No CTA waits for a GPU-scope round trip in the middle of its range
-// (an acquire-release arrival there cost about 2 us on the H200). CTA first waits only for
-// higher-numbered CTAs of the same grid; all of them have started before any kernel that depends
-// on this one can take their place (PDL), and the grid fits on the GPU at once.
+// tile + cta (unique: along the staircase of (tile, cta) pairs both only grow) and count in at
+// the tile's counter in locks right away (one release; nothing waits for it). CTA first keeps
+// its own sums in shared memory, waits at its end until the count is complete (by then it
+// usually is: the others counted in near their start), adds the slots in CTA order (results do
+// not depend on timing) and resets the counter: locks is all zeros between launches. No CTA
+// waits for a GPU-scope round trip in the middle of its range (an acquire-release arrival there
+// cost about 2 us on the H200). CTA first waits only for higher-numbered CTAs of the same grid;
+// all of them have started before any kernel that depends on this one can take their place
+// (PDL), and the grid fits on the GPU at once.
 //
 // PDL (programmatic dependent launch, sm_90+): each CTA lets the next kernel launch at once and
 // copies its first weights before waiting for the previous kernel; x, out, workspace and locks
@@ -421,14 +422,11 @@ __device__ inline void flush(const Params& p, int tile, bool whole, const float*
   }
 }
 
-// The CTA's split tiles once its range is done: count in at `shared` (a tile it flushed to its
-// slot; -1: none), then, for `owned` (its last segment, a tile it is first of; -1: none), wait for
-// the other contributors and write red + their slots in CTA order to out.
+// Once the CTA's range is done: for `owned` (its last segment, a tile it is the first of;
+// -1: none), wait for the other contributors and write red + their slots in CTA order to out.
 template <typename T>
-__device__ inline void finish(const Params& p, int shared, int owned, const float* red,
-                              int64_t items, int ctas) {
-  __syncthreads();  // every thread's slot writes happen before thread 0's release below
-  if (shared >= 0 && threadIdx.x == 0) arrive(p.locks + shared);
+__device__ inline void finish(const Params& p, int owned, const float* red, int64_t items,
+                              int ctas) {
   if (owned < 0) return;
   int first, last;
   contributors(p, owned, items, ctas, first, last);
@@ -482,7 +480,7 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * items / ctas;
   const int64_t end = static_cast<int64_t>(blockIdx.x + 1) * items / ctas;
   const bool has_zeros = p.zeros != nullptr;
-  int shared = -1, owned = -1;  // split tiles this CTA counts in at / finishes (see finish)
+  int owned = -1;  // the split tile this CTA finishes (see finish)
   uint32_t issued = 0, consumed = 0;  // this warp's blocks so far (ring slot = count % kStages)
 
   // --- the first segment's weights go out before waiting for the previous kernel
@@ -537,14 +535,14 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
     if (!whole && done.b0 == 0) {
       owned = done.tile;  // the CTA is the tile's first contributor: red stays for finish
     } else {
-      if (!whole) shared = done.tile;
       flush<T>(p, done.tile, whole, red);
     }
-    __syncthreads();  // red is reused by the next segment
+    __syncthreads();  // red is reused by the next segment; the slot writes precede the release
+    if (!whole && done.b0 != 0 && threadIdx.x == 0) arrive(p.locks + done.tile);
     if (!more) break;
   }
   cp_async_wait<0>();
-  finish<T>(p, shared, owned, red, items, ctas);
+  finish<T>(p, owned, red, items, ctas);
 }
 
 }  // namespace gptq

@@ -30,54 +30,57 @@ class KernelConfig:
 
 # (largest M, config) in increasing M; the last entry has no bound.
 SMALL_M_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
-    (16, KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=4)),
+    # the H200 sweep's M=16 winner family on every Llama-2-7B shape (split-K chosen per shape)
+    (16, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, swap_ab=1)),
 )
 LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (
     (32, KernelConfig(block_m=32, block_n=128, num_warps=4, num_stages=4)),
-    # above 32 rows: the H200 sweep's winner on all four Llama-2-7B shapes at M=256 (and three of
-    # four at M=64), 4-9% faster than the unswapped 64x128 / 128x128 tiles it replaces
-    (None, KernelConfig(64, 128, num_warps=8, num_stages=3, unpack=1, swap_ab=1)),
+    # above 32 rows: the H200 sweep's families (64-column tiles of 4 warps, weights as tl.dot's
+    # first operand); they won every Llama-2-7B shape, by 13-36% at M=64 and 15-40% at M=256
+    (64, KernelConfig(64, 64, num_warps=4, num_stages=3, unpack=1, swap_ab=1)),
+    (None, KernelConfig(128, 64, num_warps=4, num_stages=3, unpack=1, swap_ab=1)),
 )
 
 # Per layer shape: (kind, N, K) -> ((largest M, config), ...) in increasing M, kind "small"
 # (split-K GEMV, M <= 16) or "large" (GEMM). Shapes or M past the last bucket use the tables
 # above. Filled from `bench/bench_gptq.py --sweep` on an H200 (Llama-2-7B fused projections).
 ConfigTable = tuple[tuple[int, KernelConfig], ...]
-# Swept on an NVIDIA H200 (2026-11-30, torch 2.11, triton 3.6) by bench/bench_gptq.py --sweep
-# (bench/results/gptq_w4a_sweep_2026-11-30.log). Entries are KernelConfig(block_m, block_n,
-# num_warps, num_stages, group_m, split_k, unpack[, swap_ab]).
+# Swept on an NVIDIA H200 (2026-11-30, torch 2.11, triton 3.6) by the candidate families of
+# triton_kernels/gptq_tuning.py (bench/results/gptq_w4a_sweep_2026-11-30d.log): 64-column tiles
+# of 4 warps won every (shape, M) bucket. Entries are KernelConfig(block_m, block_n, num_warps,
+# num_stages, group_m, split_k, unpack[, swap_ab]).
 TUNED: dict[tuple[str, int, int], ConfigTable] = {
     ("small", 12288, 4096): (
         (1, KernelConfig(16, 64, 4, 4, 8, 4, 0, swap_ab=1)),
-        (16, KernelConfig(16, 64, 4, 4, 8, 4, 0, swap_ab=1)),
+        (16, KernelConfig(16, 64, 4, 3, 8, 4, 0, swap_ab=1)),
     ),
     ("large", 12288, 4096): (
-        (64, KernelConfig(64, 128, 8, 3, 8, 0, 1, swap_ab=1)),
-        (1 << 30, KernelConfig(64, 128, 8, 3, 8, 0, 1, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 3, 8, 2, 1, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 0, 1, swap_ab=1)),
     ),
     ("small", 4096, 4096): (
         (1, KernelConfig(16, 64, 4, 4, 8, 8, 0, swap_ab=1)),
-        (16, KernelConfig(16, 64, 4, 4, 8, 8, 0)),
+        (16, KernelConfig(16, 64, 4, 3, 8, 8, 0, swap_ab=1)),
     ),
     ("large", 4096, 4096): (
-        (64, KernelConfig(64, 128, 8, 4, 8, 0, 1, swap_ab=1)),
-        (1 << 30, KernelConfig(64, 128, 8, 3, 8, 0, 1, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 3, 8, 4, 1, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 2, 1, swap_ab=1)),
     ),
     ("small", 22016, 4096): (
         (1, KernelConfig(16, 64, 4, 4, 8, 4, 0, swap_ab=1)),
-        (16, KernelConfig(16, 64, 4, 4, 8, 4, 0, swap_ab=1)),
+        (16, KernelConfig(16, 64, 4, 3, 8, 4, 0, swap_ab=1)),
     ),
     ("large", 22016, 4096): (
-        (64, KernelConfig(64, 128, 8, 3, 8, 0, 1, swap_ab=1)),
-        (1 << 30, KernelConfig(64, 128, 4, 3, 8, 0, 1, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 3, 8, 0, 1, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 2, 8, 0, 1, swap_ab=1)),
     ),
     ("small", 4096, 11008): (
         (1, KernelConfig(16, 64, 4, 4, 8, 8, 0, swap_ab=1)),
-        (16, KernelConfig(16, 64, 4, 4, 8, 8, 0, swap_ab=1)),
+        (16, KernelConfig(16, 64, 4, 3, 8, 8, 0, swap_ab=1)),
     ),
     ("large", 4096, 11008): (
-        (64, KernelConfig(64, 128, 8, 3, 8, 0, 1, swap_ab=1)),
-        (1 << 30, KernelConfig(64, 128, 8, 3, 8, 0, 1, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 3, 8, 4, 1, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 2, 1, swap_ab=1)),
     ),
 }
 
