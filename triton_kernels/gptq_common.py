@@ -189,9 +189,11 @@ def accumulate_blocks(
     offs_r = tl.arange(0, 16)
     offs_kb = tl.arange(0, 128)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-    # one group per block and a small tile: scaling [BLOCK_M, BLOCK_N] sums beats scaling
-    # [128, BLOCK_N] weights (and is exact); large tiles scale the weights instead
-    POST_SCALE: tl.constexpr = SCALE_MODE == 0 and BLOCK_M <= 32
+    # one group per block: the dot runs on the exact integers q - z' and its fp32 sums are
+    # scaled once (exact). With the weights as the first operand this also keeps them in the
+    # register layout tl.dot takes (scaling [128, BLOCK_N] weights first made Triton 3.6 route
+    # them through shared memory with 16-bit stores on sm_90); unswapped, only small tiles win
+    POST_SCALE: tl.constexpr = SCALE_MODE == 0 and (SWAP_AB or BLOCK_M <= 32)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:

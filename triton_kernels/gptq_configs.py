@@ -35,10 +35,10 @@ SMALL_M_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
 )
 LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (
     (32, KernelConfig(block_m=32, block_n=128, num_warps=4, num_stages=4)),
-    # above 32 rows: the H200 sweep's families (64-column tiles of 4 warps, weights as tl.dot's
-    # first operand); they won every Llama-2-7B shape, by 13-36% at M=64 and 15-40% at M=256
-    (64, KernelConfig(64, 64, num_warps=4, num_stages=3, unpack=1, swap_ab=1)),
-    (None, KernelConfig(128, 64, num_warps=4, num_stages=3, unpack=1, swap_ab=1)),
+    # above 32 rows: the H200 sweep's family on every Llama-2-7B shape: 64-column tiles of 4
+    # warps, the weights as tl.dot's first operand and kept in its register layout (unpack 0)
+    (64, KernelConfig(64, 64, num_warps=4, num_stages=3, swap_ab=1)),
+    (None, KernelConfig(128, 64, num_warps=4, num_stages=3, swap_ab=1)),
 )
 
 # Per layer shape: (kind, N, K) -> ((largest M, config), ...) in increasing M, kind "small"
@@ -47,7 +47,7 @@ LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (
 ConfigTable = tuple[tuple[int, KernelConfig], ...]
 # Swept on an NVIDIA H200 (2026-11-30, torch 2.11, triton 3.6) by the candidate families of
 # triton_kernels/gptq_tuning.py (bench/results/gptq_w4a_sweep_2026-11-30d.log): 64-column tiles
-# of 4 warps won every (shape, M) bucket. Entries are KernelConfig(block_m, block_n, num_warps,
+# of 4 warps won every (shape, M) bucket; from 17 rows, with the nibble-pair dequantization. Entries are KernelConfig(block_m, block_n, num_warps,
 # num_stages, group_m, split_k, unpack[, swap_ab]).
 TUNED: dict[tuple[str, int, int], ConfigTable] = {
     ("small", 12288, 4096): (
@@ -55,32 +55,32 @@ TUNED: dict[tuple[str, int, int], ConfigTable] = {
         (16, KernelConfig(16, 64, 4, 3, 8, 4, 0, swap_ab=1)),
     ),
     ("large", 12288, 4096): (
-        (64, KernelConfig(64, 64, 4, 3, 8, 2, 1, swap_ab=1)),
-        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 0, 1, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 3, 8, 2, 0, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 0, 0, swap_ab=1)),
     ),
     ("small", 4096, 4096): (
         (1, KernelConfig(16, 64, 4, 4, 8, 8, 0, swap_ab=1)),
         (16, KernelConfig(16, 64, 4, 3, 8, 8, 0, swap_ab=1)),
     ),
     ("large", 4096, 4096): (
-        (64, KernelConfig(64, 64, 4, 3, 8, 4, 1, swap_ab=1)),
-        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 2, 1, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 4, 8, 4, 0, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 2, 0, swap_ab=1)),
     ),
     ("small", 22016, 4096): (
         (1, KernelConfig(16, 64, 4, 4, 8, 4, 0, swap_ab=1)),
         (16, KernelConfig(16, 64, 4, 3, 8, 4, 0, swap_ab=1)),
     ),
     ("large", 22016, 4096): (
-        (64, KernelConfig(64, 64, 4, 3, 8, 0, 1, swap_ab=1)),
-        (1 << 30, KernelConfig(128, 64, 4, 2, 8, 0, 1, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 3, 8, 2, 0, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 0, 0, swap_ab=1)),
     ),
     ("small", 4096, 11008): (
         (1, KernelConfig(16, 64, 4, 4, 8, 8, 0, swap_ab=1)),
         (16, KernelConfig(16, 64, 4, 3, 8, 8, 0, swap_ab=1)),
     ),
     ("large", 4096, 11008): (
-        (64, KernelConfig(64, 64, 4, 3, 8, 4, 1, swap_ab=1)),
-        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 2, 1, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 3, 8, 4, 0, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 2, 0, swap_ab=1)),
     ),
 }
 

@@ -43,7 +43,7 @@ def small_candidates() -> list[KernelConfig]:
 def large_candidates(m: int) -> list[KernelConfig]:
     """GEMM configs: BLOCK_M x BLOCK_N x warps x stages x operand order (dequant variant 1),
     split-K auto, plus the untuned default as the baseline; the swapped 64-column tiles of one
-    warpgroup (the 2026-11-30 winners) with 2-4 stages and split-K auto, 2 or 4. From 256 rows
+    warpgroup (the 2026-11-30 winners) with 2-4 stages, split-K auto, 2 or 4, both unpacks. From 256 rows
     also 256-row swapped tiles, which dequantize each weight tile once for all 256 rows."""
     grid = itertools.product((64, 128), (128, 256), (4, 8), (3, 4), (0, 1))
     found = [
@@ -51,10 +51,10 @@ def large_candidates(m: int) -> list[KernelConfig]:
         for bm, bn, warps, stages, swap in grid
         if bm <= max(64, m)
     ]
-    narrow = itertools.product((64, 128), (2, 3, 4), (0, 2, 4))
+    narrow = itertools.product((64, 128), (2, 3, 4), (0, 2, 4), (0, 1))
     found += [
-        KernelConfig(bm, 64, 4, stages, split_k=split, unpack=1, swap_ab=1)
-        for bm, stages, split in narrow
+        KernelConfig(bm, 64, 4, stages, split_k=split, unpack=unpack, swap_ab=1)
+        for bm, stages, split, unpack in narrow
         if bm <= max(64, m)
     ]
     if m >= 256:
