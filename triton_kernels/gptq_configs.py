@@ -45,10 +45,11 @@ LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (
 # (split-K GEMV, M <= 16) or "large" (GEMM). Shapes or M past the last bucket use the tables
 # above. Filled from `bench/bench_gptq.py --sweep` on an H200 (Llama-2-7B fused projections).
 ConfigTable = tuple[tuple[int, KernelConfig], ...]
-# Swept on an NVIDIA H200 (2026-11-30, torch 2.11, triton 3.6) by the candidate families of
+# Swept on an NVIDIA H200 (2026-11-30, torch 2.11, triton 3.6) with the candidate families of
 # triton_kernels/gptq_tuning.py (bench/results/gptq_w4a_sweep_2026-11-30d.log): 64-column tiles
-# of 4 warps won every (shape, M) bucket; from 17 rows, with the nibble-pair dequantization. Entries are KernelConfig(block_m, block_n, num_warps,
-# num_stages, group_m, split_k, unpack[, swap_ab]).
+# of 4 warps won every (shape, M) bucket; from 17 rows, with the nibble-pair dequantization.
+# Entries are KernelConfig(block_m, block_n, num_warps, num_stages, group_m, split_k, unpack[,
+# swap_ab]).
 TUNED: dict[tuple[str, int, int], ConfigTable] = {
     ("small", 12288, 4096): (
         (1, KernelConfig(16, 64, 4, 4, 8, 4, 0, swap_ab=1)),

@@ -43,8 +43,9 @@ def small_candidates() -> list[KernelConfig]:
 def large_candidates(m: int) -> list[KernelConfig]:
     """GEMM configs: BLOCK_M x BLOCK_N x warps x stages x operand order (dequant variant 1),
     split-K auto, plus the untuned default as the baseline; the swapped 64-column tiles of one
-    warpgroup (the 2026-11-30 winners) with 2-4 stages, split-K auto, 2 or 4, both unpacks. From 256 rows
-    also 256-row swapped tiles, which dequantize each weight tile once for all 256 rows."""
+    warpgroup (the 2026-11-30 winners) with 2-4 stages, split-K auto, 2 or 4, and both
+    dequantizations. From 256 rows also 256-row swapped tiles, which dequantize each weight tile
+    once for all 256 rows."""
     grid = itertools.product((64, 128), (128, 256), (4, 8), (3, 4), (0, 1))
     found = [
         KernelConfig(bm, bn, warps, stages, unpack=1, swap_ab=swap)
