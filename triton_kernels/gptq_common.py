@@ -109,12 +109,26 @@ def _unpack_pairs(words, dtype: tl.constexpr):
 
 
 @triton.jit
+def _halves(t):
+    """Group params [P, R, H, BLOCK_N] (P in {1, 4}, R in {1, 16}, H in {1, 2}) -> their (h = 0,
+    h = 1) parts as [P, R, BLOCK_N], to meet the (p, r, n) nibble pairs before they are joined."""
+    if t.shape[2] == 1:
+        flat = tl.reshape(t, (t.shape[0], t.shape[1], t.shape[3]))
+        return flat, flat
+    else:
+        return tl.split(tl.permute(t, (0, 1, 3, 2)))
+
+
+@triton.jit
 def dequant_block(words, s, z, APPLY_SCALE: tl.constexpr):
     """words [16, BLOCK_N] int32 -> [128, BLOCK_N] in the dtype of `s`, rows in order:
-    (q - z') * s with APPLY_SCALE, else the exact integers q - z'."""
-    # --- unpack: (p, r, n) pairs -> [4, 16, 2, BLOCK_N], element (p, r, h, n) = row 32p + 2r + h
+    (q - z') * s with APPLY_SCALE, else the exact integers q - z'.
+
+    Zeros and scales meet the (p, r, n) pairs before the join: broadcasting them after it, in the
+    [4, 16, 2, BLOCK_N] order, made Triton move every dequantized value through shared memory
+    to reach tl.dot's register layout (sm_90)."""
+    # --- unpack: (p, r, n) pairs, MAGIC + q of rows 32p + 2r (lo) and 32p + 2r + 1 (hi)
     lo, hi = _unpack_pairs(words, s.dtype)
-    q = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))
     # --- subtract MAGIC + z' (exact), then scale (the only rounding)
     if s.dtype == tl.float16:
         zf = (z.to(tl.float32) + 1024.0).to(tl.float16)
@@ -122,9 +136,15 @@ def dequant_block(words, s, z, APPLY_SCALE: tl.constexpr):
         zf = (z.to(tl.float32) + 128.0).to(tl.bfloat16)
     else:
         zf = z.to(tl.float32) + 8388608.0
-    w = q - zf
+    z_lo, z_hi = _halves(zf)
+    lo = lo - z_lo
+    hi = hi - z_hi
     if APPLY_SCALE:
-        w = w * s
+        s_lo, s_hi = _halves(s)
+        lo = lo * s_lo
+        hi = hi * s_hi
+    # --- [4, 16, 2, BLOCK_N], element (p, r, h, n) = row 32p + 2r + h
+    w = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))
     return tl.reshape(w, (128, words.shape[1]))
 
 
