@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session step on the H200 (run from the repo root through the device tool).
-# Usage: bench/gpu_run.sh STAGE...   stages: peers smol-a smol-b tests attn gptq engine
+# Usage: bench/gpu_run.sh STAGE...   stages: peers smol-a smol-b tests attn-tests gptq-tests attn
+#   gptq gptq-variants engine
 # Logs go to $OUT (or ./gpu-logs); a short table is printed last by each bench.
 set -uo pipefail
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -24,6 +25,7 @@ for stage in "$@"; do
     gptq-tests) python3 -m pytest -q tests/test_gptq_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gptq_tests.log" ;;
     attn) python3 bench/bench_attention.py --out "$out" 2>&1 | tee "$out/bench_attention.log" ;;
     gptq) python3 bench/bench_gptq.py --out "$out" 2>&1 | tee "$out/bench_gptq.log" ;;
+    gptq-variants) python3 bench/bench_gptq_variants.py --out "$out" 2>&1 | tee "$out/bench_gptq_variants.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
