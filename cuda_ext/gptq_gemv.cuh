@@ -58,7 +58,13 @@ constexpr int kBlockK = 128;  // input rows per packed block
 constexpr int kTileN = 64;    // output columns per tile (one warp covers all of them)
 constexpr int kWarps = 4;     // warps per CTA
 constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 3;    // ring slots per warp (H200: 4 was no faster and fits 2 CTAs/SM, not 3)
+// Ring slots per warp: 3 up to 8 tokens (H200: 4 was no faster and fits 2 CTAs/SM, not 3); 2 for
+// 16 tokens, whose slots hold twice the activations: with 3, one CTA per SM (M=16 stack 3.11 ms,
+// with 2: 2.49; 2 for 8 tokens was slower: 1.85 vs 1.76).
+template <int TOK>
+__host__ __device__ constexpr int stages() {
+  return TOK > 8 ? 2 : 3;
+}
 
 template <typename T>
 struct Dtype;
@@ -462,13 +468,14 @@ __host__ __device__ inline Segment segment_at(const Params& p, int64_t item, int
 // Dynamic shared memory of one CTA: each warp's ring, then the reduction planes.
 template <int TOK, bool PQ>
 constexpr size_t smem_bytes() {
-  return sizeof(Slot<TOK, PQ>) * kStages * kWarps +
+  return sizeof(Slot<TOK, PQ>) * stages<TOK>() * kWarps +
          sizeof(float) * kWarps * 8 * Slot<TOK, PQ>::kMT * kTileN;
 }
 
 template <typename T, int TOK, bool PQ>
 __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
   constexpr int MT = Slot<TOK, PQ>::kMT;
+  constexpr int kStages = stages<TOK>();
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32;
   Slot<TOK, PQ>* ring = reinterpret_cast<Slot<TOK, PQ>*>(smem) + warp * kStages;
