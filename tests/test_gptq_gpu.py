@@ -144,25 +144,22 @@ def test_custom_op_has_a_fake_kernel_and_compiles(layers, monkeypatch) -> None: 
 
 @pytest.mark.parametrize("narrow", [False, True], ids=["wide", "narrow"])
 @pytest.mark.parametrize("swap_ab", [0, 1])
-@pytest.mark.parametrize("unpack", [0, 1])
 @pytest.mark.parametrize("m", [1, 16, 64, 256])
 def test_swept_config_variants_match_reference(  # type: ignore[no-untyped-def]
-    layers, m, unpack, swap_ab, narrow, monkeypatch
+    layers, m, swap_ab, narrow, monkeypatch
 ) -> None:
     """The configs `bench_gptq.py --sweep` may pick: fixed split-K, wide tiles or 64-column tiles
-    of 4 warps, both unpacks, both operand orders."""
+    of 4 warps, both operand orders."""
     from triton_kernels import gptq_configs as cfgs
 
     lin = layers[(4096, 11008, torch.float16)]
     bm = 128 if m > 64 else 64
     if narrow:
-        small = cfgs.KernelConfig(16, 64, 4, 3, split_k=4, unpack=unpack, swap_ab=swap_ab)
-        large = cfgs.KernelConfig(bm, 64, 4, 2, split_k=2, unpack=unpack, swap_ab=swap_ab)
+        small = cfgs.KernelConfig(16, 64, 4, 3, split_k=4, swap_ab=swap_ab)
+        large = cfgs.KernelConfig(bm, 64, 4, 2, split_k=2, swap_ab=swap_ab)
     else:
-        small = cfgs.KernelConfig(
-            16, 256 - 128 * swap_ab, 8, 4, split_k=8, unpack=unpack, swap_ab=swap_ab
-        )
-        large = cfgs.KernelConfig(bm, 128, 8, 3, unpack=unpack, swap_ab=swap_ab)
+        small = cfgs.KernelConfig(16, 256 - 128 * swap_ab, 8, 4, split_k=8, swap_ab=swap_ab)
+        large = cfgs.KernelConfig(bm, 128, 8, 3, swap_ab=swap_ab)
     monkeypatch.setitem(cfgs.TUNED, ("small", 11008, 4096), ((16, small),))
     monkeypatch.setitem(cfgs.TUNED, ("large", 11008, 4096), ((1 << 30, large),))
     monkeypatch.setenv(BACKEND_ENV, "triton")

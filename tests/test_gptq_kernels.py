@@ -267,18 +267,18 @@ def test_triton_kernels_compile_for_sm90() -> None:
     assert run.stdout.strip() == str(len(AOT_VARIANTS))
 
 
-@pytest.mark.parametrize(("unpack", "swap_ab"), [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("swap_ab", [0, 1])
 @pytest.mark.parametrize("m", [2, 20])
 @pytest.mark.parametrize("group_size", [64, 128])  # scaled weights / scaled exact sums
-def test_table_configs_unpack_variants_and_fixed_split(
-    unpack: int, swap_ab: int, m: int, group_size: int, monkeypatch: pytest.MonkeyPatch
+def test_table_configs_operand_orders_and_fixed_split(
+    swap_ab: int, m: int, group_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A per-shape TUNED entry wins over the M tables; both dequantizations, both operand
-    orders and a fixed split (more splits than blocks is clamped) give the reference result."""
+    """A per-shape TUNED entry wins over the M tables; both operand orders and a fixed split
+    (more splits than blocks is clamped) give the reference result."""
     ck = make_checkpoint(seed=9, k=384, n=48, group_size=group_size, zero_mode="v1", bias=True)
     lin = GPTQLinear([ck.tensors], ck.config, torch.float32)
-    small = gptq_configs.KernelConfig(16, 32, 4, 2, split_k=8, unpack=unpack, swap_ab=swap_ab)
-    large = gptq_configs.KernelConfig(16, 16, 4, 2, split_k=2, unpack=unpack, swap_ab=swap_ab)
+    small = gptq_configs.KernelConfig(16, 32, 4, 2, split_k=8, swap_ab=swap_ab)
+    large = gptq_configs.KernelConfig(16, 16, 4, 2, split_k=2, swap_ab=swap_ab)
     monkeypatch.setitem(gptq_configs.TUNED, ("small", 48, 384), ((16, small),))
     monkeypatch.setitem(gptq_configs.TUNED, ("large", 48, 384), ((64, large),))
     assert gptq_configs.pick_config(m <= 16, m, 48, 384) == (small if m <= 16 else large)
@@ -303,12 +303,12 @@ def test_tuning_sweep_installs_and_prints_the_best_configs(monkeypatch: pytest.M
         cfg = gptq_configs.TUNED[("small" if m <= 16 else "large", 96, 256)][0][1]
         if cfg.block_n == 256:
             raise RuntimeError("out of shared memory")
-        return cfg.block_n + cfg.split_k + cfg.unpack + m
+        return cfg.block_n + cfg.split_k + cfg.num_stages + m
 
     result = gptq_tuning.sweep_and_apply(timer, weights)
     small = gptq_configs.TUNED[("small", 96, 256)]
     assert [bound for bound, _ in small] == [1, 16]
-    assert small[0][1].block_n == 64 and small[0][1].split_k == 2 and small[0][1].unpack == 0
+    assert small[0][1].block_n == 64 and small[0][1].split_k == 2 and small[0][1].num_stages == 3
     assert [bound for bound, _ in gptq_configs.TUNED[("large", 96, 256)]] == [64, 1 << 30]
     namespace = {"KernelConfig": gptq_configs.KernelConfig, "ConfigTable": tuple}
     exec(result["table"], namespace)  # the printed table is pasteable Python

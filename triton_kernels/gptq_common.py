@@ -149,27 +149,6 @@ def dequant_block(words, s, z, APPLY_SCALE: tl.constexpr):
 
 
 @triton.jit
-def dequant_block_bcast(words, s, z, APPLY_SCALE: tl.constexpr):
-    """As `dequant_block`, one nibble per element by broadcasting shifts (no join/permute):
-    words [16, BLOCK_N] -> [4, 16, 2, BLOCK_N] (p, r, h, n) -> [128, BLOCK_N]."""
-    shifts = (tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 2)[None, :] * 16)[:, None, :, None]
-    nib = (words[None, :, None, :] >> shifts) & 0xF  # [4, 16, 2, BLOCK_N] int32, q
-    if s.dtype == tl.float16:
-        q = (nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q
-        zf = (z.to(tl.float32) + 1024.0).to(tl.float16)
-    elif s.dtype == tl.bfloat16:
-        q = (nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q
-        zf = (z.to(tl.float32) + 128.0).to(tl.bfloat16)
-    else:
-        q = (nib | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + q
-        zf = z.to(tl.float32) + 8388608.0
-    w = q - zf
-    if APPLY_SCALE:
-        w = w * s
-    return tl.reshape(w, (128, words.shape[1]))
-
-
-@triton.jit
 def accumulate_blocks(
     # pointers
     x_ptr,
@@ -195,7 +174,6 @@ def accumulate_blocks(
     BLOCK_N: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
-    UNPACK: tl.constexpr,  # 0: nibble pairs joined (`dequant_block`), 1: `dequant_block_bcast`
     SWAP_AB: tl.constexpr = False,  # compute out^T = W x^T: the dequantized weights are the A
 ):
     """fp32 [BLOCK_M, BLOCK_N] partial product over the 128-row blocks [block_start, block_end).
@@ -232,10 +210,7 @@ def accumulate_blocks(
             scales_ptr, zeros_ptr, tl.minimum(block + 1, block_end - 1), offs_n, n_mask, GROUP,
             NUM_GROUPS, stride_sg, SCALE_MODE, HAS_ZEROS,
         )  # fmt: skip
-        if UNPACK == 0:
-            w = dequant_block(words, s, z, not POST_SCALE)
-        else:
-            w = dequant_block_bcast(words, s, z, not POST_SCALE)
+        w = dequant_block(words, s, z, not POST_SCALE)
         # --- activations: contiguous [BLOCK_M, 128], zero past K (covers padded rows)
         k = block * 128 + offs_kb
         x_mask = m_mask[:, None] & (k < K)[None, :]
@@ -322,7 +297,6 @@ def store_output(
 __all__ = [
     "accumulate_blocks",
     "dequant_block",
-    "dequant_block_bcast",
     "load_group_params",
     "store_output",
 ]

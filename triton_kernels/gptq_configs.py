@@ -24,7 +24,6 @@ class KernelConfig:
     num_stages: int
     group_m: int = 8  # row tiles sharing a column slab (GEMM tile order)
     split_k: int = 0  # K splits; 0: chosen by `split_k` to fill SPLIT_K_WAVES waves
-    unpack: int = 0  # dequantization: 0 nibble pairs + join, 1 one nibble per element
     swap_ab: int = 0  # 1: the dequantized weights are tl.dot's first operand (out^T = W x^T)
 
 
@@ -36,7 +35,7 @@ SMALL_M_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
 LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (
     (32, KernelConfig(block_m=32, block_n=128, num_warps=4, num_stages=4)),
     # above 32 rows: the H200 sweep's family on every Llama-2-7B shape: 64-column tiles of 4
-    # warps, the weights as tl.dot's first operand and kept in its register layout (unpack 0)
+    # warps, the weights as tl.dot's first operand and kept in its register layout
     (64, KernelConfig(64, 64, num_warps=4, num_stages=3, swap_ab=1)),
     (None, KernelConfig(128, 64, num_warps=4, num_stages=3, swap_ab=1)),
 )
@@ -47,41 +46,41 @@ LARGE_M_CONFIGS: tuple[tuple[int | None, KernelConfig], ...] = (
 ConfigTable = tuple[tuple[int, KernelConfig], ...]
 # Swept on an NVIDIA H200 (2026-11-30, torch 2.11, triton 3.6) with the candidate families of
 # triton_kernels/gptq_tuning.py (bench/results/gptq_w4a_sweep_2026-11-30d.log): 64-column tiles
-# of 4 warps won every (shape, M) bucket; from 17 rows, with the nibble-pair dequantization.
-# Entries are KernelConfig(block_m, block_n, num_warps, num_stages, group_m, split_k, unpack[,
-# swap_ab]).
+# of 4 warps won every (shape, M) bucket. Dequantizing one nibble per element (the other
+# variant swept then, since removed) won none.
+# Entries are KernelConfig(block_m, block_n, num_warps, num_stages, group_m, split_k[, swap_ab]).
 TUNED: dict[tuple[str, int, int], ConfigTable] = {
     ("small", 12288, 4096): (
-        (1, KernelConfig(16, 64, 4, 4, 8, 4, 0, swap_ab=1)),
-        (16, KernelConfig(16, 64, 4, 3, 8, 4, 0, swap_ab=1)),
+        (1, KernelConfig(16, 64, 4, 4, 8, 4, swap_ab=1)),
+        (16, KernelConfig(16, 64, 4, 3, 8, 4, swap_ab=1)),
     ),
     ("large", 12288, 4096): (
-        (64, KernelConfig(64, 64, 4, 3, 8, 2, 0, swap_ab=1)),
-        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 0, 0, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 3, 8, 2, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 0, swap_ab=1)),
     ),
     ("small", 4096, 4096): (
-        (1, KernelConfig(16, 64, 4, 4, 8, 8, 0, swap_ab=1)),
-        (16, KernelConfig(16, 64, 4, 3, 8, 8, 0, swap_ab=1)),
+        (1, KernelConfig(16, 64, 4, 4, 8, 8, swap_ab=1)),
+        (16, KernelConfig(16, 64, 4, 3, 8, 8, swap_ab=1)),
     ),
     ("large", 4096, 4096): (
-        (64, KernelConfig(64, 64, 4, 4, 8, 4, 0, swap_ab=1)),
-        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 2, 0, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 4, 8, 4, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 2, swap_ab=1)),
     ),
     ("small", 22016, 4096): (
-        (1, KernelConfig(16, 64, 4, 4, 8, 4, 0, swap_ab=1)),
-        (16, KernelConfig(16, 64, 4, 3, 8, 4, 0, swap_ab=1)),
+        (1, KernelConfig(16, 64, 4, 4, 8, 4, swap_ab=1)),
+        (16, KernelConfig(16, 64, 4, 3, 8, 4, swap_ab=1)),
     ),
     ("large", 22016, 4096): (
-        (64, KernelConfig(64, 64, 4, 3, 8, 2, 0, swap_ab=1)),
-        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 0, 0, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 3, 8, 2, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 0, swap_ab=1)),
     ),
     ("small", 4096, 11008): (
-        (1, KernelConfig(16, 64, 4, 4, 8, 8, 0, swap_ab=1)),
-        (16, KernelConfig(16, 64, 4, 3, 8, 8, 0, swap_ab=1)),
+        (1, KernelConfig(16, 64, 4, 4, 8, 8, swap_ab=1)),
+        (16, KernelConfig(16, 64, 4, 3, 8, 8, swap_ab=1)),
     ),
     ("large", 4096, 11008): (
-        (64, KernelConfig(64, 64, 4, 3, 8, 4, 0, swap_ab=1)),
-        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 2, 0, swap_ab=1)),
+        (64, KernelConfig(64, 64, 4, 3, 8, 4, swap_ab=1)),
+        (1 << 30, KernelConfig(128, 64, 4, 3, 8, 2, swap_ab=1)),
     ),
 }
 

@@ -58,7 +58,6 @@ def gptq_gemm_kernel(
     SCALE_MODE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    UNPACK: tl.constexpr = 0,  # dequantization variant (see gptq_common.accumulate_blocks)
     SWAP_AB: tl.constexpr = False,  # weights as tl.dot's first operand (gptq_common)
 ):
     # --- grouped tile order: GROUP_M row tiles share each column slab
@@ -80,7 +79,7 @@ def gptq_gemm_kernel(
     acc = accumulate_blocks(
         x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, M, N, K, GROUP, NUM_GROUPS,
         block_start, block_end, stride_xm, stride_qk, stride_sg,
-        BLOCK_M, BLOCK_N, SCALE_MODE, HAS_ZEROS, UNPACK, SWAP_AB,
+        BLOCK_M, BLOCK_N, SCALE_MODE, HAS_ZEROS, SWAP_AB,
     )  # fmt: skip
 
     # --- write, or reduce split-K partials in the last program to arrive

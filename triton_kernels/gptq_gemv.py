@@ -56,7 +56,6 @@ def gptq_gemv_kernel(
     SCALE_MODE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    UNPACK: tl.constexpr = 0,  # dequantization variant (see gptq_common.accumulate_blocks)
     SWAP_AB: tl.constexpr = False,  # weights as tl.dot's first operand (gptq_common)
 ):
     # --- which output columns and which slice of K this program owns
@@ -71,7 +70,7 @@ def gptq_gemv_kernel(
     acc = accumulate_blocks(
         x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, M, N, K, GROUP, NUM_GROUPS,
         block_start, block_end, stride_xm, stride_qk, stride_sg,
-        BLOCK_M, BLOCK_N, SCALE_MODE, HAS_ZEROS, UNPACK, SWAP_AB,
+        BLOCK_M, BLOCK_N, SCALE_MODE, HAS_ZEROS, SWAP_AB,
     )  # fmt: skip
 
     # --- write, or reduce split-K partials in the last program to arrive

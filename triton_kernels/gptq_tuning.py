@@ -24,43 +24,37 @@ Timer = Callable[[list[Any], int, Callable[..., Any]], float]  # (weights, m, ca
 
 
 def small_candidates() -> list[KernelConfig]:
-    """Split-K GEMV configs: BLOCK_N x SPLIT_K x warps x unpack (48), 4 stages, and the
-    swapped-operand form (weights as tl.dot's first operand) of the narrower ones with 3 or 4
-    stages (24)."""
-    grid = itertools.product((64, 128, 256), (2, 4, 8, 16), (4, 8), (4,), (0, 1))
-    found = [
-        KernelConfig(16, bn, warps, stages, split_k=split, unpack=unpack)
-        for bn, split, warps, stages, unpack in grid
-    ]
-    swapped = itertools.product((64, 128), (2, 4, 8), (0, 1), (3, 4))
+    """Split-K GEMV configs: BLOCK_N x SPLIT_K x warps (24), 4 stages, and the swapped-operand
+    form (weights as tl.dot's first operand) of the narrower ones with 3 or 4 stages (12)."""
+    grid = itertools.product((64, 128, 256), (2, 4, 8, 16), (4, 8))
+    found = [KernelConfig(16, bn, warps, 4, split_k=split) for bn, split, warps in grid]
+    swapped = itertools.product((64, 128), (2, 4, 8), (3, 4))
     found += [
-        KernelConfig(16, bn, 4, stages, split_k=split, unpack=unpack, swap_ab=1)
-        for bn, split, unpack, stages in swapped
+        KernelConfig(16, bn, 4, stages, split_k=split, swap_ab=1) for bn, split, stages in swapped
     ]
     return found
 
 
 def large_candidates(m: int) -> list[KernelConfig]:
-    """GEMM configs: BLOCK_M x BLOCK_N x warps x stages x operand order (dequant variant 1),
-    split-K auto, plus the untuned default as the baseline; the swapped 64-column tiles of one
-    warpgroup (the 2026-11-30 winners) with 2-4 stages, split-K auto, 2 or 4, and both
-    dequantizations. From 256 rows also 256-row swapped tiles, which dequantize each weight tile
-    once for all 256 rows."""
+    """GEMM configs: BLOCK_M x BLOCK_N x warps x stages x operand order, split-K auto, plus the
+    untuned default as the baseline; the swapped 64-column tiles of one warpgroup (the
+    2026-11-30 winners) with 2-4 stages and split-K auto, 2 or 4. From 256 rows also 256-row
+    swapped tiles, which dequantize each weight tile once for all 256 rows."""
     grid = itertools.product((64, 128), (128, 256), (4, 8), (3, 4), (0, 1))
     found = [
-        KernelConfig(bm, bn, warps, stages, unpack=1, swap_ab=swap)
+        KernelConfig(bm, bn, warps, stages, swap_ab=swap)
         for bm, bn, warps, stages, swap in grid
         if bm <= max(64, m)
     ]
-    narrow = itertools.product((64, 128), (2, 3, 4), (0, 2, 4), (0, 1))
+    narrow = itertools.product((64, 128), (2, 3, 4), (0, 2, 4))
     found += [
-        KernelConfig(bm, 64, 4, stages, split_k=split, unpack=unpack, swap_ab=1)
-        for bm, stages, split, unpack in narrow
+        KernelConfig(bm, 64, 4, stages, split_k=split, swap_ab=1)
+        for bm, stages, split in narrow
         if bm <= max(64, m)
     ]
     if m >= 256:
         found += [
-            KernelConfig(256, bn, 8, stages, unpack=1, swap_ab=1)
+            KernelConfig(256, bn, 8, stages, swap_ab=1)
             for bn, stages in itertools.product((64, 128), (2, 3))
         ]
     return [cfgs.large_m_config(m), *found]
@@ -150,7 +144,7 @@ def _bound(bound: int) -> str:
 def _config(cfg: KernelConfig) -> str:
     fields = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.group_m, cfg.split_k)
     swap = f", swap_ab={cfg.swap_ab}" if cfg.swap_ab else ""
-    return f"KernelConfig({', '.join(map(str, (*fields, cfg.unpack)))}{swap})"
+    return f"KernelConfig({', '.join(map(str, fields))}{swap})"
 
 
 __all__ = ["format_table", "sweep_and_apply", "sweep_shape"]

@@ -290,7 +290,7 @@ def _launch_triton(
     meta: dict[str, Any] = {
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "USE_SPLIT_K": split > 1,
         "SCALE_MODE": _scale_mode(w), "HAS_ZEROS": w.zeros is not None,
-        "HAS_BIAS": bias is not None, "UNPACK": cfg.unpack, "SWAP_AB": bool(cfg.swap_ab),
+        "HAS_BIAS": bias is not None, "SWAP_AB": bool(cfg.swap_ab),
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
     }  # fmt: skip
     if small:
