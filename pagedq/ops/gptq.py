@@ -37,8 +37,8 @@ BACKEND_ENV = "PAGEDQ_GPTQ_BACKEND"
 BACKENDS = ("auto", "cuda", "triton", "torch")
 
 # Dispatch thresholds on M (rows of x), set from bench/bench_gptq.py on an H200.
-# auto: the CUDA kernel up to here (H200 stacks in a CUDA graph, gptq_w4a_2026-11-30c_notes.md:
-# CUDA M=1 1.66 ms, M=4 1.72, M=8 1.79, M=16 3.21; Triton split-K GEMV M=1..16 2.21..2.32)
+# auto: the CUDA kernel up to here (H200 stacks in a CUDA graph, gptq_w4a_2026-11-30f.md:
+# CUDA M=1 1.61 ms, M=4 1.69, M=8 1.76, M=12 2.34, M=16 2.48; Triton split-K GEMV 2.16..2.23)
 CUDA_EXT_MAX_M = 8
 SMALL_M_MAX_M = 16  # small-M kernels (CUDA or Triton split-K GEMV) up to here, tiled GEMM above
 # Eager calls are bound by host launch cost (H200 host: about 20 us per call of the CUDA op, about
