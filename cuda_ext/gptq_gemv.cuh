@@ -19,14 +19,20 @@
 // Warp tile. Lane (g, t) = (lane / 4, lane % 4) copies word rows 4t + j (j = 0..3) of columns
 // 4g..4g+3 and 32+4g..32+4g+3 (16 bytes each: a warp copy is 4 rows x 2 x 128 bytes). mma
 // m16n8k16 takes the weights as A: the 16 rows of n-tile c = 0..3 are columns {4g + c, 32 + 4g +
-// c}, and A's k pairs (2t, 2t + 8) are a word's nibble pairs (2pp, 2pp + 1), i.e. input rows
-// 32p + 8t + 2j + h. B (activations, 8 tokens per n8 tile) is then x[token][32p + 8t .. + 7]: one
-// 16-byte copy per (p, token tile) per block. One mma per weight word.
+// c}. mma (p, jj) takes nibble pair p of word rows 4t + 2jj and 4t + 2jj + 1 as A's k pairs (2t,
+// 2t + 8), i.e. input rows 32p + 8t + 4jj + (0, 1) and (2, 3). B (activations, 8 tokens per n8
+// tile) is then words 2jj and 2jj + 1 of x[token][32p + 8t .. + 7], two adjacent registers of
+// one 16-byte copy per (p, token tile) per block. One mma per weight word and token tile.
 //
 // Dequantization. ((word >> 4p) & 0x000F000F) | MAGIC read as a T pair is (MAGIC + q, MAGIC + q')
-// exactly (fp16 MAGIC 1024, bf16 128); subtracting MAGIC + z' is exact. With one group per block
-// the mma runs on those exact integers and the fp32 block sums are scaled once; with 32- or
-// 64-row groups the pairs are scaled in T first (one rounding, as in the reference).
+// exactly (fp16 MAGIC 1024, bf16 128); subtracting MAGIC + z' is exact. In fp16 the odd pairs
+// skip the shift: (bits & 0x00F000F0) | MAGIC is 1024 + 16q, and one HFMA2 (x / 16 - (64 + z'))
+// gives q - z' exactly; bf16 cannot (bit 7 is an exponent bit). With one group per block the
+// mma runs on those exact integers and the fp32 block sums are scaled once; with 32- or 64-row
+// groups the pairs are scaled in T first (one rounding, as in the reference). The kernel is
+// issue-bound at small M (H200: a third fewer instructions per block cut the M=1 stack by 15%),
+// so zero points are a template parameter (no per-column selects) and copy addresses advance
+// by pointer increments (Feed).
 //
 // Split tiles. A tile shared by CTAs first..last is the last segment of CTA first and the first
 // (or only) segment of the others. Those others write their partial sums to workspace slot
@@ -73,6 +79,7 @@ template <>
 struct Dtype<__half> {
   using T2 = __half2;
   static constexpr uint32_t kMagicBits = 0x64006400u;  // (1024, 1024)
+  static constexpr bool kHighNibbles = true;  // (bits & 0x00F000F0) | MAGIC is 1024 + 16 q exactly
   __device__ static float to_float(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
   __device__ static uint16_t from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
   __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -87,6 +94,7 @@ template <>
 struct Dtype<__nv_bfloat16> {
   using T2 = __nv_bfloat162;
   static constexpr uint32_t kMagicBits = 0x43004300u;  // (128, 128)
+  static constexpr bool kHighNibbles = false;  // bits 4..7 include an exponent bit
   __device__ static float to_float(uint16_t bits) {
     return __bfloat162float(__ushort_as_bfloat16(bits));
   }
@@ -117,6 +125,10 @@ __device__ inline uint32_t add2(uint32_t a, uint32_t b) {
 template <typename T>
 __device__ inline uint32_t sub2(uint32_t a, uint32_t b) {
   return as_bits<T>(__hsub2(as_pair<T>(a), as_pair<T>(b)));
+}
+template <typename T>
+__device__ inline uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+  return as_bits<T>(__hfma2(as_pair<T>(a), as_pair<T>(b), as_pair<T>(c)));
 }
 template <typename T>
 __device__ inline uint32_t mul2(uint32_t a, uint32_t b) {
@@ -199,50 +211,83 @@ __device__ inline void pdl_wait() {
 
 // Group row of quarter q of block b (q = 0 for block-wide groups), clamped for padded rows.
 __host__ __device__ inline int64_t group_row(const Params& p, int b, int q) {
-  const int grp = (b * kBlockK + 32 * q) / p.group_size;
+  const int row = b * kBlockK + 32 * q, gs = p.group_size;
+  // power-of-two groups (all real checkpoints): a shift instead of an integer division
+#ifdef __CUDA_ARCH__
+  const int grp = (gs & (gs - 1)) == 0 ? row >> (__ffs(gs) - 1) : row / gs;
+#else
+  const int grp = row / gs;
+#endif
   return grp < p.num_groups - 1 ? grp : p.num_groups - 1;
 }
 
-// Copy this lane's share of block b into `slot`: weights, scales and zeros, and/or x.
+// This lane's source addresses for its warp's next block b (blocks advance by kWarps).
+struct Feed {
+  const int32_t* w;   // word row 16b + 4t of column tile * 64 + 4g
+  const uint16_t* x;  // x[min(g, M - 1)][128b + 8t]
+  int b, col;         // block, column tile * 64 + 4g
+
+  __device__ static Feed at(const Params& p, int tile, int b) {
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    Feed f;
+    f.b = b;
+    f.col = tile * kTileN + 4 * g;
+    f.w = p.qweight + (static_cast<int64_t>(b) * 16 + 4 * t) * p.N + f.col;
+    f.x = static_cast<const uint16_t*>(p.x) + static_cast<int64_t>(g < p.M ? g : 0) * p.x_stride +
+          b * kBlockK + 8 * t;
+    return f;
+  }
+  __device__ void advance(const Params& p) {
+    b += kWarps;
+    w += static_cast<int64_t>(kWarps) * 16 * p.N;
+    x += kWarps * kBlockK;
+  }
+};
+
+// Copy this lane's share of block f.b into `slot`: weights, scales and zeros, and/or x.
 template <int TOK, bool PQ>
-__device__ inline void issue_slot(const Params& p, int tile, int b, Slot<TOK, PQ>& slot,
+__device__ inline void issue_slot(const Params& p, const Feed& f, Slot<TOK, PQ>& slot,
                                   bool with_weights, bool with_x) {
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   if (with_weights) {
+    const int64_t n = p.N;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int col = tile * kTileN + 32 * h + 4 * g;
-      const bool ok = col < p.N;  // N % 8 == 0: the 4 columns exist together
-      const int32_t* wp = p.qweight + (static_cast<int64_t>(b) * 16 + 4 * t) * p.N + col;
+      const bool ok = f.col + 32 * h < p.N;  // N % 8 == 0: the 4 columns exist together
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         cp_async<16>(slot.words + word_offset(4 * t + j) + 16 * g + 128 * h,
-                     wp + static_cast<int64_t>(j) * p.N, ok);
+                     f.w + j * n + 32 * h, ok);
       }
+    }
 #pragma unroll
-      for (int q = 0; q < Slot<TOK, PQ>::kQ; ++q) {
-        const int64_t at = group_row(p, b, q) * p.N + col;
+    for (int q = 0; q < Slot<TOK, PQ>::kQ; ++q) {
+      const int64_t at = group_row(p, f.b, q) * n + f.col;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const bool ok = f.col + 32 * h < p.N;
         const int e = 2 * (h * Slot<TOK, PQ>::kQ + q);
-        cp_async<8>(&slot.params[e][lane], static_cast<const uint16_t*>(p.scales) + at, ok);
+        cp_async<8>(&slot.params[e][lane], static_cast<const uint16_t*>(p.scales) + at + 32 * h,
+                    ok);
         if (p.zeros != nullptr) {
-          cp_async<8>(&slot.params[e + 1][lane], static_cast<const uint16_t*>(p.zeros) + at, ok);
+          cp_async<8>(&slot.params[e + 1][lane],
+                      static_cast<const uint16_t*>(p.zeros) + at + 32 * h, ok);
         }
       }
     }
   }
   if (with_x && g < Slot<TOK, PQ>::kTPT) {
+    const int k0 = f.b * kBlockK + 8 * t;
 #pragma unroll
     for (int tt = 0; tt < Slot<TOK, PQ>::kMT; ++tt) {
       const int m = 8 * tt + g;
+      const uint16_t* row = tt == 0 ? f.x : f.x + (m < p.M ? 8 * p.x_stride : 0);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const int k = b * kBlockK + 32 * q + 8 * t;
-        const bool valid = m < p.M && k < p.K;  // K % 8 == 0: the 8 rows exist together
-        const void* src =
-            valid ? static_cast<const uint16_t*>(p.x) + static_cast<int64_t>(m) * p.x_stride + k
-                  : p.x;
-        cp_async<16>(&slot.x[4 * tt + q][lane], src, valid);
+        const bool valid = m < p.M && k0 + 32 * q < p.K;  // K % 8 == 0: 8 rows exist together
+        cp_async<16>(&slot.x[4 * tt + q][lane], valid ? row + 32 * q : row, valid);
       }
     }
   }
@@ -286,6 +331,13 @@ __device__ inline uint32_t nibble_pair(uint32_t bits, uint32_t magic) {
   return out;
 }
 
+// (bits & 0x00F000F0) | magic in one LOP3.
+__device__ inline uint32_t nibble_pair_hi(uint32_t bits, uint32_t magic) {
+  uint32_t out;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(bits), "n"(0x00F000F0), "r"(magic));
+  return out;
+}
+
 __device__ inline uint32_t word_of(const uint4& v, int c) {
   return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
 }
@@ -296,8 +348,8 @@ __device__ inline uint32_t half_of(const uint2& v, int c) {
 }
 
 // acc[tt][c] += this block's products (n-tile c, token tile tt).
-template <typename T, int MT, bool PQ>
-__device__ inline void compute(const Stage<MT, PQ>& s, bool has_zeros, float (&acc)[MT][4][4]) {
+template <typename T, int MT, bool PQ, bool has_zeros>
+__device__ inline void compute(const Stage<MT, PQ>& s, float (&acc)[MT][4][4]) {
   constexpr uint32_t kMagic = Dtype<T>::kMagicBits;
   constexpr uint32_t kDefaultZero = kMagic + 0x00080008u;  // MAGIC + 8 in both halves, exact
 #pragma unroll
@@ -310,30 +362,45 @@ __device__ inline void compute(const Stage<MT, PQ>& s, bool has_zeros, float (&a
         const int qi = PQ ? q : 0;
         sc[h][q] = half_of(s.scale[h][qi], c);
         // MAGIC + z' is exact: z' <= 16 lands on an integer step of MAGIC's binade
-        zb[h][q] = has_zeros ? add2<T>(kMagic, half_of(s.zero[h][qi], c)) : kDefaultZero;
+        if (Dtype<T>::kHighNibbles && q % 2 == 1) {
+          // odd quarters: (MAGIC + 16 q) / 16 - (64 + z') = q - z' in one exact HFMA2
+          zb[h][q] = has_zeros ? fma2<T>(half_of(s.zero[h][qi], c), 0xBC00BC00u, 0xD400D400u)
+                               : 0xD480D480u;  // -(64 + 8)
+        } else {
+          zb[h][q] = has_zeros ? add2<T>(kMagic, half_of(s.zero[h][qi], c)) : kDefaultZero;
+        }
       }
     }
     float part[MT][4] = {};  // block sums on exact integers (one group per block)
+    // mma (q, jj): A's k pairs (2t, 2t + 8) are nibble pair q of word rows 4t + 2jj and
+    // 4t + 2jj + 1, i.e. input rows 32q + 8t + 4jj + (0, 1) and (2, 3); B is then words 2jj and
+    // 2jj + 1 of x[token][32q + 8t ..], adjacent registers of one 16-byte load.
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t w[2] = {word_of(s.words[j][0], c), word_of(s.words[j][1], c)};
-      uint32_t deq[2][4];  // [h][p]: rows (32p + 8t + 2j, + 1) of column 4g + c (+ 32 h)
+    for (int q = 0; q < 4; ++q) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int jj = 0; jj < 2; ++jj) {
+        uint32_t a[4];  // [j' * 2 + h]: rows 32q + 8t + 4jj + 2j' (+1) of column 4g + c (+ 32 h)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          deq[h][q] = sub2<T>(nibble_pair(w[h] >> (4 * q), kMagic), zb[h][q]);
-          if constexpr (PQ) deq[h][q] = mul2<T>(deq[h][q], sc[h][q]);
+        for (int jp = 0; jp < 2; ++jp) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t w = word_of(s.words[2 * jj + jp][h], c);
+            uint32_t d;
+            if constexpr (Dtype<T>::kHighNibbles) {
+              const uint32_t src = q >= 2 ? w >> 8 : w;
+              d = q % 2 == 0 ? sub2<T>(nibble_pair(src, kMagic), zb[h][q])
+                             : fma2<T>(nibble_pair_hi(src, kMagic), 0x2C002C00u, zb[h][q]);
+            } else {
+              d = sub2<T>(nibble_pair(w >> (4 * q), kMagic), zb[h][q]);
+            }
+            if constexpr (PQ) d = mul2<T>(d, sc[h][q]);
+            a[2 * jp + h] = d;
+          }
         }
-      }
-#pragma unroll
-      for (int pp = 0; pp < 2; ++pp) {
-        const uint32_t a[4] = {deq[0][2 * pp], deq[1][2 * pp], deq[0][2 * pp + 1],
-                               deq[1][2 * pp + 1]};
 #pragma unroll
         for (int tt = 0; tt < MT; ++tt) {
-          Dtype<T>::mma(PQ ? acc[tt][c] : part[tt], a, word_of(s.x[tt][2 * pp], j),
-                        word_of(s.x[tt][2 * pp + 1], j));
+          Dtype<T>::mma(PQ ? acc[tt][c] : part[tt], a, word_of(s.x[tt][q], 2 * jj),
+                        word_of(s.x[tt][q], 2 * jj + 1));
         }
       }
     }
@@ -472,8 +539,9 @@ constexpr size_t smem_bytes() {
          sizeof(float) * kWarps * 8 * Slot<TOK, PQ>::kMT * kTileN;
 }
 
-template <typename T, int TOK, bool PQ>
-__global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
+// The kernel for one zero-point mode (Z: zeros given).
+template <typename T, int TOK, bool PQ, bool Z>
+__device__ inline void gemv_body(const Params& p) {
   constexpr int MT = Slot<TOK, PQ>::kMT;
   constexpr int kStages = stages<TOK>();
   extern __shared__ __align__(16) unsigned char smem[];
@@ -486,24 +554,29 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
   const int64_t items = static_cast<int64_t>(p.tiles) * p.num_blocks;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * items / ctas;
   const int64_t end = static_cast<int64_t>(blockIdx.x + 1) * items / ctas;
-  const bool has_zeros = p.zeros != nullptr;
   int owned = -1;  // the split tile this CTA finishes (see finish)
-  uint32_t issued = 0, consumed = 0;  // this warp's blocks so far (ring slot = count % kStages)
 
   // --- the first segment's weights go out before waiting for the previous kernel
   Segment seg = segment_at(p, begin, end, warp);
   int64_t item = begin + (seg.b1 - seg.b0);
+  Feed feed = Feed::at(p, seg.tile, seg.block(0));
+  {
+    Feed f = feed;
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < seg.count) issue_slot<TOK, PQ>(p, seg.tile, seg.block(i), ring[i], true, false);
+    for (int i = 0; i < kStages - 1; ++i) {
+      if (i < seg.count) issue_slot<TOK, PQ>(p, f, ring[i], true, false);
+      f.advance(p);
+    }
   }
   pdl_wait();  // x is the previous kernel's output; out, workspace, locks may be its inputs
+  int fill = 0, read = 0;  // ring slots of the next copy and the next read
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
     if (i < seg.count) {
-      issue_slot<TOK, PQ>(p, seg.tile, seg.block(i), ring[i], false, true);
-      ++issued;
+      issue_slot<TOK, PQ>(p, feed, ring[i], false, true);
+      fill = i + 1;
     }
+    feed.advance(p);
     cp_async_commit();  // one group per ring step, empty ones too: the waits count groups
   }
 
@@ -512,15 +585,15 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
     for (int i = 0; i < seg.count; ++i) {
       cp_async_wait<kStages - 2>();  // block i has landed
       Stage<MT, PQ> cur;
-      read_slot<TOK, PQ>(p, ring[consumed % kStages], cur);
-      ++consumed;
+      read_slot<TOK, PQ>(p, ring[read], cur);
+      read = read + 1 == kStages ? 0 : read + 1;
       if (i + kStages - 1 < seg.count) {  // refill the slot read in the previous step
-        issue_slot<TOK, PQ>(p, seg.tile, seg.block(i + kStages - 1), ring[issued % kStages], true,
-                            true);
-        ++issued;
+        issue_slot<TOK, PQ>(p, feed, ring[fill], true, true);
+        feed.advance(p);
+        fill = fill + 1 == kStages ? 0 : fill + 1;
       }
       cp_async_commit();
-      compute<T, MT, PQ>(cur, has_zeros, acc);
+      compute<T, MT, PQ, Z>(cur, acc);
     }
     // --- start the next segment's copies (the ring is drained), then flush this one
     const Segment done = seg;
@@ -528,11 +601,13 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
     if (more) {
       seg = segment_at(p, item, end, warp);
       item += seg.b1 - seg.b0;
+      feed = Feed::at(p, seg.tile, seg.block(0));
 #pragma unroll
       for (int i = 0; i < kStages - 1; ++i) {
         if (i < seg.count) {
-          issue_slot<TOK, PQ>(p, seg.tile, seg.block(i), ring[issued % kStages], true, true);
-          ++issued;
+          issue_slot<TOK, PQ>(p, feed, ring[fill], true, true);
+          feed.advance(p);
+          fill = fill + 1 == kStages ? 0 : fill + 1;
         }
         cp_async_commit();
       }
@@ -550,6 +625,16 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
   }
   cp_async_wait<0>();
   finish<T>(p, owned, red, items, ctas);
+}
+
+template <typename T, int TOK, bool PQ>
+__global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
+  // one branch per launch; both bodies share the kernel's registers and shared memory
+  if (p.zeros != nullptr) {
+    gemv_body<T, TOK, PQ, true>(p);
+  } else {
+    gemv_body<T, TOK, PQ, false>(p);
+  }
 }
 
 }  // namespace gptq
