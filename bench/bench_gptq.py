@@ -99,8 +99,8 @@ def with_backend(name: str, fn: Callable[[], Any]) -> Any:
 def small_m_sweep(
     weights: list[PackedGPTQWeight], nbytes: int, repeats: int
 ) -> list[dict[str, Any]]:
-    """Graph and eager time of the stack per small-M path, to set CUDA_EXT_MAX_M (graph),
-    the eager rule and SMALL_M_MAX_M."""
+    """Graph and eager time of the stack per small-M path, to check that the CUDA kernel is the
+    faster small-M path at every M and to set SMALL_M_MAX_M."""
     paths: dict[str, Callable[..., torch.Tensor]] = {
         "cuda": lambda x, w: ops._launch_cuda(x, w, None),
         "triton_gemv": lambda x, w: ops._launch_triton(x, w, None, small=True),
@@ -168,7 +168,7 @@ def main() -> None:
         "gpu": props.name, "sms": props.multi_processor_count,
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "python": sys.version.split()[0], "command": " ".join([sys.executable, *sys.argv]),
-        "thresholds": {"CUDA_EXT_MAX_M": ops.CUDA_EXT_MAX_M, "SMALL_M_MAX_M": ops.SMALL_M_MAX_M},
+        "thresholds": {"SMALL_M_MAX_M": ops.SMALL_M_MAX_M},
         "rows": {}, "skipped": {},
     }  # fmt: skip
     weights = pagedq_weights()

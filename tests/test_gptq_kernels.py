@@ -137,29 +137,6 @@ def test_dispatch_by_backend_and_m(monkeypatch: pytest.MonkeyPatch) -> None:
         select_path(x1, packed)
 
 
-def test_eager_auto_runs_triton_once_per_key_before_the_cuda_kernel(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Eager `auto` calls the CUDA kernel takes only outside capture (CUDA_EXT_MAX_M < M <= 16)
-    run Triton the first time per key, so a later capture (which picks Triton) loads no module."""
-    from pagedq.ops import gptq as ops
-
-    ck = make_checkpoint(seed=1, k=128, n=16)
-    packed, _ = GPTQLinear([ck.tensors], ck.config, torch.float16).segment(0)
-    monkeypatch.setattr(ops, "_TRITON_LOADED", set())
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
-    m = ops.CUDA_EXT_MAX_M + 1
-    x = torch.randn(m, 128, dtype=torch.float16)
-    assert ops._load_triton_first("cuda", x, packed, None) == "triton_small"
-    assert ops._load_triton_first("cuda", x, packed, None) == "cuda"
-    assert ops._load_triton_first("cuda", x, packed, torch.zeros(16)) == "triton_small"  # new key
-    small = torch.randn(ops.CUDA_EXT_MAX_M, 128, dtype=torch.float16)
-    assert ops._load_triton_first("cuda", small, packed, None) == "cuda"  # same path in capture
-    monkeypatch.setenv(BACKEND_ENV, "cuda")
-    other = torch.randn(m + 1, 128, dtype=torch.float16)
-    assert ops._load_triton_first("cuda", other, packed, None) == "cuda"  # forced backend
-
-
 @pytest.mark.parametrize("tiles", [1, 3, 128, 384, 2000])
 @pytest.mark.parametrize("num_blocks", [1, 2, 32, 86])
 def test_split_k_policy_has_no_empty_split(tiles: int, num_blocks: int) -> None:

@@ -5,10 +5,9 @@ reads. `gptq_matmul_reference` dequantizes it and runs an fp32 matmul: the CPU p
 test oracle. `gptq_matmul` dispatches by `PAGEDQ_GPTQ_BACKEND`, read on every call:
 
 - `torch`: the reference (also what `auto` runs on CPU tensors);
-- `auto` on CUDA tensors, by M = rows of x: the CUDA extension's kernel for M <= CUDA_EXT_MAX_M
-  (when it built; tensor cores, persistent stream-K grid, see cuda_ext/gptq_gemv.cuh), the
-  Triton split-K GEMV for M <= SMALL_M_MAX_M, the Triton GEMM above. Outside CUDA-graph capture
-  the CUDA kernel takes every M <= SMALL_M_MAX_M (see _TRITON_LOADED);
+- `auto` on CUDA tensors, by M = rows of x: the CUDA extension's kernel for M <= SMALL_M_MAX_M
+  (when it applies and built; tensor cores, persistent stream-K grid, see
+  cuda_ext/gptq_gemv.cuh), else the Triton split-K GEMV; the Triton GEMM above SMALL_M_MAX_M;
 - `cuda`: the CUDA kernel whenever it applies (M <= SMALL_M_MAX_M, fp16/bf16, group size a
   multiple of 32, K a multiple of 8), Triton otherwise or when the extension cannot be built
   (one notice);
@@ -36,18 +35,12 @@ from pagedq.errors import ConfigError
 BACKEND_ENV = "PAGEDQ_GPTQ_BACKEND"
 BACKENDS = ("auto", "cuda", "triton", "torch")
 
-# Dispatch thresholds on M (rows of x), set from bench/bench_gptq.py on an H200.
-# auto: the CUDA kernel up to here (H200 stacks in a CUDA graph, gptq_w4a_2026-11-30f.md:
-# CUDA M=1 1.61 ms, M=4 1.69, M=8 1.76, M=12 2.34, M=16 2.48; Triton split-K GEMV 2.16..2.23)
-CUDA_EXT_MAX_M = 8
-SMALL_M_MAX_M = 16  # small-M kernels (CUDA or Triton split-K GEMV) up to here, tiled GEMM above
-# Eager calls are bound by host launch cost (H200 host: about 20 us per call of the CUDA op, about
-# 100 us per Triton launch; the eager 7B stack at M=16 through gptq_matmul took 14.0 ms on Triton,
-# gptq_w4a_2026-11-30b, and 3.6 ms on the CUDA kernel, gptq_w4a_2026-11-30c), so outside capture
-# `auto` takes the CUDA kernel up to SMALL_M_MAX_M. The first eager call of each of these keys
-# still runs Triton, so the module a later capture picks is loaded already: loading a module
-# (cuModuleLoadData) is not allowed while a stream is capturing.
-_TRITON_LOADED: set[tuple[Any, ...]] = set()
+# Dispatch threshold on M (rows of x), set from bench/bench_gptq.py on an H200: small-M kernels
+# up to here (the CUDA kernel where it applies, else the Triton split-K GEMV), tiled GEMM above.
+# The CUDA kernel is the faster small-M path at every M, captured or eager (H200 dev A/B stacks
+# of 2026-11-30: 1.35 ms at M=1, 2.07 at M=16, Triton split-K GEMV 2.16..2.23; eager calls are
+# host-bound and the CUDA op costs about a fifth of a Triton launch on the host).
+SMALL_M_MAX_M = 16
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # arrival counters of split tiles per weight (>= tiles of any launch)
@@ -168,36 +161,16 @@ def gptq_backend() -> str:
 
 
 def select_path(x: torch.Tensor, w: PackedGPTQWeight) -> str:
-    """The kernel `gptq_matmul` runs: 'torch', 'cuda', 'triton_small' or 'triton_large' (except
-    that the first eager `auto` call of a key may run Triton instead, see _load_triton_first)."""
+    """The kernel `gptq_matmul` runs: 'torch', 'cuda', 'triton_small' or 'triton_large'."""
     backend = gptq_backend()
     m = x.numel() // max(int(x.shape[-1]), 1)
     if backend == "torch" or (backend == "auto" and not x.is_cuda):
         return "torch"
     if backend == "cuda" and not x.is_cuda:
         raise ValueError(f"{BACKEND_ENV}=cuda needs CUDA tensors, got x on {x.device}")
-    cuda_max_m = SMALL_M_MAX_M  # under capture, `auto` keeps the measured split
-    if backend == "auto" and m > CUDA_EXT_MAX_M and torch.cuda.is_current_stream_capturing():
-        cuda_max_m = CUDA_EXT_MAX_M
-    if backend != "triton" and m <= cuda_max_m and _cuda_ext_applies(x, w):
+    if backend != "triton" and m <= SMALL_M_MAX_M and _cuda_ext_applies(x, w):
         return "cuda"
     return "triton_small" if m <= SMALL_M_MAX_M else "triton_large"
-
-
-def _load_triton_first(
-    path: str, x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None
-) -> str:
-    """`path`, except for the first eager `auto` call of a key that the CUDA kernel takes only
-    outside capture: that one runs Triton (see _TRITON_LOADED)."""
-    m = x.shape[0]
-    if path != "cuda" or m <= CUDA_EXT_MAX_M or gptq_backend() != "auto":
-        return path
-    key = (x.device, x.dtype, m, w.in_features, w.out_features, w.group_size,
-           w.zeros is None, bias is None)  # fmt: skip
-    if key in _TRITON_LOADED:
-        return path
-    _TRITON_LOADED.add(key)
-    return "triton_small"
 
 
 def gptq_matmul_reference(
@@ -231,7 +204,6 @@ def gptq_matmul(
         x2 = x2.index_select(1, w.perm)
     elif x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    path = _load_triton_first(path, x2, w, bias)
     if x2.shape[0] == 0:
         out = x2.new_empty((0, w.out_features))
     elif path == "cuda":
