@@ -287,7 +287,7 @@ __device__ inline void issue_slot(const Params& p, const Feed& f, Slot<TOK, PQ>&
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const bool valid = m < p.M && k0 + 32 * q < p.K;  // K % 8 == 0: 8 rows exist together
-        cp_async<16>(&slot.x[4 * tt + q][lane], valid ? row + 32 * q : row, valid);
+        cp_async<16>(&slot.x[4 * tt + q][lane], row + 32 * q, valid);  // not read if !valid
       }
     }
   }
@@ -345,6 +345,13 @@ __device__ inline uint32_t word_of(const uint4& v, int c) {
 // Element c of 4 packed 16-bit values, in both halves (one PRMT).
 __device__ inline uint32_t half_of(const uint2& v, int c) {
   return __byte_perm(c < 2 ? v.x : v.y, 0, c % 2 == 0 ? 0x1010 : 0x3232);
+}
+
+// Element c of 4 packed 16-bit values as a float (a converting move, no PRMT).
+template <typename T>
+__device__ inline float scale_of(const uint2& v, int c) {
+  const auto pair = as_pair<T>(c < 2 ? v.x : v.y);
+  return c % 2 == 0 ? __low2float(pair) : __high2float(pair);
 }
 
 // acc[tt][c] += this block's products (n-tile c, token tile tt).
@@ -405,8 +412,8 @@ __device__ inline void compute(const Stage<MT, PQ>& s, float (&acc)[MT][4][4]) {
       }
     }
     if constexpr (!PQ) {
-      const float s0 = Dtype<T>::to_float(static_cast<uint16_t>(sc[0][0]));  // column 4g + c
-      const float s1 = Dtype<T>::to_float(static_cast<uint16_t>(sc[1][0]));  // 32 + 4g + c
+      const float s0 = scale_of<T>(s.scale[0][0], c);  // column 4g + c
+      const float s1 = scale_of<T>(s.scale[1][0], c);  // 32 + 4g + c
 #pragma unroll
       for (int tt = 0; tt < MT; ++tt) {
         acc[tt][c][0] += part[tt][0] * s0;
