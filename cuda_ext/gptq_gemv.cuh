@@ -29,10 +29,10 @@
 // skip the shift: (bits & 0x00F000F0) | MAGIC is 1024 + 16q, and one HFMA2 (x / 16 - (64 + z'))
 // gives q - z' exactly; bf16 cannot (bit 7 is an exponent bit). With one group per block the
 // mma runs on those exact integers and the fp32 block sums are scaled once; with 32- or 64-row
-// groups the pairs are scaled in T first (one rounding, as in the reference). The kernel is
-// issue-bound at small M (H200: a third fewer instructions per block cut the M=1 stack by 15%),
-// so zero points are a template parameter (no per-column selects) and copy addresses advance
-// by pointer increments (Feed).
+// groups the pairs are scaled in T first (one rounding, as in the reference). The loop was bound
+// by instruction issue at small M (H200: a third fewer instructions per block cut the M=1 stack
+// by 16%), hence zero points as a template parameter (no per-column selects) and copy addresses
+// advanced by pointer increments (Feed).
 //
 // Split tiles. A tile shared by CTAs first..last is the last segment of CTA first and the first
 // (or only) segment of the others. Those others write their partial sums to workspace slot
@@ -224,7 +224,7 @@ __host__ __device__ inline int64_t group_row(const Params& p, int b, int q) {
 // This lane's source addresses for its warp's next block b (blocks advance by kWarps).
 struct Feed {
   const int32_t* w;   // word row 16b + 4t of column tile * 64 + 4g
-  const uint16_t* x;  // x[min(g, M - 1)][128b + 8t]
+  const uint16_t* x;  // x[g < M ? g : 0][128b + 8t]
   int b, col;         // block, column tile * 64 + 4g
 
   __device__ static Feed at(const Params& p, int tile, int b) {
