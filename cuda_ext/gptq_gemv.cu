@@ -141,7 +141,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   const auto [kernel, smem] = variant<T>(p.M, per_quarter);
   const int64_t items = static_cast<int64_t>(p.tiles) * p.num_blocks;
   const Launch launch = launch_for(kernel, smem, device);
-  const int ctas = static_cast<int>(std::min<int64_t>(launch.ctas, items));
+  const int ctas = static_cast<int>(
+      std::min<int64_t>({launch.ctas, items, int64_t{gptq::kMaxSharers} * p.tiles}));
 
   at::Tensor out = at::empty({p.M, p.N}, x.options());
   at::Tensor workspace =
