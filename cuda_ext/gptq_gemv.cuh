@@ -64,8 +64,9 @@ constexpr int kBlockK = 128;  // input rows per packed block
 constexpr int kTileN = 64;    // output columns per tile (one warp covers all of them)
 constexpr int kWarps = 4;     // warps per CTA
 constexpr int kThreads = kWarps * 32;
-// At most this many CTAs share a column tile: the owner of a split tile waits for contributors
-// whose whole range lies inside it (H200, M=1 stack: no cap 1.323 ms, 5 CTAs 1.266, 4 1.301).
+// The grid has at most this many CTAs per column tile, so about as many share a tile: the owner
+// of a split tile waits for contributors whose whole range lies inside it (H200, M=1 stack: no
+// cap 1.323 ms, 5 per tile 1.266, 4 per tile 1.301).
 constexpr int kMaxSharers = 5;
 // Ring slots per warp: 3 up to 8 tokens (H200: 4 was no faster and fits 2 CTAs/SM, not 3); 2 for
 // 16 tokens, whose slots hold twice the activations: with 3, one CTA per SM (M=16 stack 3.11 ms,
