@@ -249,8 +249,8 @@ struct Feed {
   }
 };
 
-// Copy this lane's share of block f.b into `slot`: weights, scales and zeros, and/or x.
-template <int TOK, bool PQ>
+// Copy this lane's share of block f.b into `slot`: weights, scales and zeros (Z), and/or x.
+template <int TOK, bool PQ, bool Z>
 __device__ inline void issue_slot(const Params& p, const Feed& f, Slot<TOK, PQ>& slot,
                                   bool with_weights, bool with_x) {
   const int lane = threadIdx.x % 32;
@@ -275,7 +275,7 @@ __device__ inline void issue_slot(const Params& p, const Feed& f, Slot<TOK, PQ>&
         const int e = 2 * (h * Slot<TOK, PQ>::kQ + q);
         cp_async<8>(&slot.params[e][lane], static_cast<const uint16_t*>(p.scales) + at + 32 * h,
                     ok);
-        if (p.zeros != nullptr) {
+        if constexpr (Z) {
           cp_async<8>(&slot.params[e + 1][lane],
                       static_cast<const uint16_t*>(p.zeros) + at + 32 * h, ok);
         }
@@ -297,7 +297,7 @@ __device__ inline void issue_slot(const Params& p, const Feed& f, Slot<TOK, PQ>&
   }
 }
 
-template <int TOK, bool PQ>
+template <int TOK, bool PQ, bool Z>
 __device__ inline void read_slot(const Params& p, const Slot<TOK, PQ>& slot,
                                  Stage<Slot<TOK, PQ>::kMT, PQ>& s) {
   const int lane = threadIdx.x % 32;
@@ -323,7 +323,7 @@ __device__ inline void read_slot(const Params& p, const Slot<TOK, PQ>& slot,
     for (int q = 0; q < Stage<Slot<TOK, PQ>::kMT, PQ>::kQ; ++q) {
       const int e = 2 * (h * Slot<TOK, PQ>::kQ + q);
       s.scale[h][q] = slot.params[e][lane];
-      s.zero[h][q] = p.zeros != nullptr ? slot.params[e + 1][lane] : make_uint2(0, 0);
+      s.zero[h][q] = Z ? slot.params[e + 1][lane] : make_uint2(0, 0);
     }
   }
 }
@@ -371,7 +371,7 @@ __device__ inline void compute(const Stage<MT, PQ>& s, float (&acc)[MT][4][4]) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int qi = PQ ? q : 0;
-        sc[h][q] = half_of(s.scale[h][qi], c);
+        if constexpr (PQ) sc[h][q] = half_of(s.scale[h][q], c);
         // MAGIC + z' is exact: z' <= 16 lands on an integer step of MAGIC's binade
         if (Dtype<T>::kHighNibbles && q % 2 == 1) {
           // odd quarters: (MAGIC + 16 q) / 16 - (64 + z') = q - z' in one exact HFMA2
@@ -575,7 +575,7 @@ __device__ inline void gemv_body(const Params& p) {
     Feed f = feed;
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
-      if (i < seg.count) issue_slot<TOK, PQ>(p, f, ring[i], true, false);
+      if (i < seg.count) issue_slot<TOK, PQ, Z>(p, f, ring[i], true, false);
       f.advance(p);
     }
   }
@@ -584,7 +584,7 @@ __device__ inline void gemv_body(const Params& p) {
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
     if (i < seg.count) {
-      issue_slot<TOK, PQ>(p, feed, ring[i], false, true);
+      issue_slot<TOK, PQ, Z>(p, feed, ring[i], false, true);
       fill = i + 1;
     }
     feed.advance(p);
@@ -596,10 +596,10 @@ __device__ inline void gemv_body(const Params& p) {
     for (int i = 0; i < seg.count; ++i) {
       cp_async_wait<kStages - 2>();  // block i has landed
       Stage<MT, PQ> cur;
-      read_slot<TOK, PQ>(p, ring[read], cur);
+      read_slot<TOK, PQ, Z>(p, ring[read], cur);
       read = read + 1 == kStages ? 0 : read + 1;
       if (i + kStages - 1 < seg.count) {  // refill the slot read in the previous step
-        issue_slot<TOK, PQ>(p, feed, ring[fill], true, true);
+        issue_slot<TOK, PQ, Z>(p, feed, ring[fill], true, true);
         feed.advance(p);
         fill = fill + 1 == kStages ? 0 : fill + 1;
       }
@@ -616,7 +616,7 @@ __device__ inline void gemv_body(const Params& p) {
 #pragma unroll
       for (int i = 0; i < kStages - 1; ++i) {
         if (i < seg.count) {
-          issue_slot<TOK, PQ>(p, feed, ring[fill], true, true);
+          issue_slot<TOK, PQ, Z>(p, feed, ring[fill], true, true);
           feed.advance(p);
           fill = fill + 1 == kStages ? 0 : fill + 1;
         }
