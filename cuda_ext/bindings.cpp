@@ -9,10 +9,11 @@
 namespace pagedq {
 
 // gptq_gemv.cu: out [M, N] = x [M, K] @ W^T (+ bias) for M <= 16, W packed as in
-// pagedq/ops/gptq.py; locks are the split tiles' arrival counters (zero between calls).
+// pagedq/ops/gptq.py; workspace [>= CTAs * M * 64] int32 holds the split tiles' fp32 partial sums
+// and is all -1 (empty) between calls, which run one at a time.
 at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros,
-                          const std::optional<at::Tensor>& bias, at::Tensor& locks,
+                          const std::optional<at::Tensor>& bias, at::Tensor& workspace,
                           int64_t group_size);
 
 }  // namespace pagedq
@@ -20,7 +21,7 @@ at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
 TORCH_LIBRARY_FRAGMENT(pagedq, m) {
   m.def(
       "gptq_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
-      "Tensor(a!) locks, int group_size) -> Tensor");
+      "Tensor(a!) workspace, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedq, CUDA, m) { m.impl("gptq_gemv", &pagedq::gptq_gemv_cuda); }

@@ -97,7 +97,7 @@ def _register_fakes() -> None:
         scales: torch.Tensor,
         zeros: torch.Tensor | None,
         bias: torch.Tensor | None,
-        locks: torch.Tensor,
+        workspace: torch.Tensor,
         group_size: int,
     ) -> torch.Tensor:
         return x.new_empty((x.shape[0], qweight.shape[1]))

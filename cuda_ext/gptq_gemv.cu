@@ -33,7 +33,7 @@ void check_table(const at::Tensor& t, const at::Tensor& x, int64_t n, const char
 
 void check_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
-                  const at::Tensor& locks, int64_t group_size) {
+                  const at::Tensor& workspace, int64_t group_size) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2, "gptq_gemv: x must be a 2-D CUDA tensor, got ",
               x.sizes(), " on ", x.device());
   TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
@@ -66,9 +66,9 @@ void check_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
                     bias->is_contiguous(),
                 "gptq_gemv: bias must be a contiguous [", n, "] tensor of x's dtype");
   }
-  check_same_device(locks, x, "locks");
-  TORCH_CHECK(locks.scalar_type() == at::kInt && locks.is_contiguous(),
-              "gptq_gemv: locks must be contiguous int32");
+  check_same_device(workspace, x, "workspace");
+  TORCH_CHECK(workspace.scalar_type() == at::kInt && workspace.is_contiguous(),
+              "gptq_gemv: workspace must be contiguous int32");
   TORCH_CHECK(group_size >= 1 && (scales.size(0) == 1 || group_size % 32 == 0),
               "gptq_gemv: group_size = ", group_size, " must be a multiple of 32");
 }
@@ -125,7 +125,7 @@ Launch launch_for(KernelFn kernel, size_t smem, int device) {
 template <typename T>
 at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
-               at::Tensor& locks, int64_t group_size) {
+               at::Tensor& workspace, int64_t group_size) {
   const int device = x.device().index();
   gptq::Params p{};
   p.M = static_cast<int>(x.size(0));
@@ -135,8 +135,6 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   p.num_groups = static_cast<int>(scales.size(0));
   p.tiles = (p.N + gptq::kTileN - 1) / gptq::kTileN;
   p.num_blocks = (p.K + gptq::kBlockK - 1) / gptq::kBlockK;
-  TORCH_CHECK(locks.numel() >= p.tiles, "gptq_gemv: ", p.tiles,
-              " column tiles need as many locks, got ", locks.numel());
   const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;
   const auto [kernel, smem] = variant<T>(p.M, per_quarter);
   const int64_t items = static_cast<int64_t>(p.tiles) * p.num_blocks;
@@ -144,9 +142,11 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   const int ctas = static_cast<int>(
       std::min<int64_t>({launch.ctas, items, int64_t{gptq::kMaxSharers} * p.tiles}));
 
+  const int64_t slots = int64_t{ctas} * p.M * gptq::kTileN;
+  TORCH_CHECK(workspace.numel() >= slots, "gptq_gemv: ", ctas, " CTAs x ", p.M, " rows x ",
+              gptq::kTileN, " columns need a workspace of ", slots, " values, got ",
+              workspace.numel());
   at::Tensor out = at::empty({p.M, p.N}, x.options());
-  at::Tensor workspace =
-      at::empty({(p.tiles + ctas) * int64_t{p.M} * gptq::kTileN}, x.options().dtype(at::kFloat));
   p.x = x.data_ptr();
   p.x_stride = x.stride(0);
   p.qweight = qweight.data_ptr<int32_t>();
@@ -154,8 +154,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   p.zeros = zeros.has_value() ? zeros->data_ptr() : nullptr;
   p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.out = out.data_ptr();
-  p.workspace = workspace.data_ptr<float>();
-  p.locks = locks.data_ptr<int32_t>();
+  p.workspace = reinterpret_cast<float*>(workspace.data_ptr<int32_t>());
 
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(ctas));
@@ -176,12 +175,14 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
 // Declared in bindings.cpp, which registers it as pagedq::gptq_gemv.
 at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros,
-                          const std::optional<at::Tensor>& bias, at::Tensor& locks,
+                          const std::optional<at::Tensor>& bias, at::Tensor& workspace,
                           int64_t group_size) {
-  check_inputs(x, qweight, scales, zeros, bias, locks, group_size);
+  check_inputs(x, qweight, scales, zeros, bias, workspace, group_size);
   const c10::cuda::OptionalCUDAGuard guard(x.device());
-  if (x.scalar_type() == at::kHalf) return run<__half>(x, qweight, scales, zeros, bias, locks, group_size);
-  return run<__nv_bfloat16>(x, qweight, scales, zeros, bias, locks, group_size);
+  if (x.scalar_type() == at::kHalf) {
+    return run<__half>(x, qweight, scales, zeros, bias, workspace, group_size);
+  }
+  return run<__nv_bfloat16>(x, qweight, scales, zeros, bias, workspace, group_size);
 }
 
 }  // namespace pagedq

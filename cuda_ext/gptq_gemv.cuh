@@ -35,20 +35,20 @@
 // advanced by pointer increments (Feed).
 //
 // Split tiles. A tile shared by CTAs first..last is the last segment of CTA first and the first
-// (or only) segment of the others. Those others write their partial sums to workspace slot
-// tile + cta (unique: along the staircase of (tile, cta) pairs both only grow) and count in at
-// the tile's counter in locks right away (one release; nothing waits for it). CTA first keeps
-// its own sums in shared memory, waits at its end until the count is complete (by then it
-// usually is: the others counted in near their start), adds the slots in CTA order (results do
-// not depend on timing) and resets the counter: locks is all zeros between launches. No CTA
-// waits for a GPU-scope round trip in the middle of its range (an acquire-release arrival there
-// cost about 2 us on the H200). CTA first waits only for higher-numbered CTAs of the same grid;
+// (or only) segment of the others, so a CTA writes at most one partial tile: the others store
+// their partial sums to workspace slot `cta` as they finish the segment, and move on. CTA first
+// keeps its own sums in shared memory and, at its end, reads the slots of first + 1..last in CTA
+// order (results do not depend on timing), each value as soon as it is no longer kEmpty, and
+// writes kEmpty back: the workspace is all kEmpty between launches. The values are their own
+// signal: no counter, fence or acquire-release handshake (on the H200 the handshake's two round
+// trips cost the M=1 stack 7%). CTA first waits only for higher-numbered CTAs of the same grid;
 // all of them have started before any kernel that depends on this one can take their place
-// (PDL), and the grid fits on the GPU at once.
+// (PDL), and the grid fits on the GPU at once. Launches that share a workspace run one at a
+// time (one stream).
 //
 // PDL (programmatic dependent launch, sm_90+): each CTA lets the next kernel launch at once and
-// copies its first weights before waiting for the previous kernel; x, out, workspace and locks
-// are only touched after the wait.
+// copies its first weights before waiting for the previous kernel; x, out and the workspace are
+// only touched after the wait.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -65,9 +65,10 @@ constexpr int kTileN = 64;    // output columns per tile (one warp covers all of
 constexpr int kWarps = 4;     // warps per CTA
 constexpr int kThreads = kWarps * 32;
 // The grid has at most this many CTAs per column tile, so about as many share a tile: the owner
-// of a split tile waits for contributors whose whole range lies inside it (H200, M=1 stack: no
-// cap 1.323 ms, 5 per tile 1.266, 4 per tile 1.301).
-constexpr int kMaxSharers = 5;
+// of a split tile waits for contributors whose whole range lies inside it (H200, M = 1 / 4 / 8 /
+// 16 stacks: 5 per tile 1.183 / 1.319 / 1.552 / 2.159 ms, 4 per tile 1.186 / 1.274 / 1.499 /
+// 2.062, no cap 1.230 / 1.320 / 1.552 / 2.155).
+constexpr int kMaxSharers = 4;
 // Ring slots per warp: 3 up to 8 tokens (H200: 4 was no faster and fits 2 CTAs/SM, not 3); 2 for
 // 16 tokens, whose slots hold twice the activations: with 3, one CTA per SM (M=16 stack 3.11 ms,
 // with 2: 2.49; 2 for 8 tokens was slower: 1.85 vs 1.76).
@@ -146,8 +147,7 @@ struct Params {
   const void* zeros;       // [G, N] T (z'), or nullptr: every z' is 8
   const void* bias;        // [N] T or nullptr
   void* out;               // [M, N] T contiguous
-  float* workspace;        // [tiles + ctas, M, kTileN] fp32 partial tiles
-  int32_t* locks;          // [>= tiles] arrival counters, zero between launches
+  float* workspace;        // [>= ctas, M, kTileN] fp32 partial tiles, all kEmpty between launches
   int64_t x_stride;
   int M, N, K;             // K % 8 == 0, N % 8 == 0
   int group_size, num_groups;
@@ -469,19 +469,19 @@ __device__ inline void write_out(const Params& p, int tile, int m, int col, floa
   static_cast<uint16_t*>(p.out)[static_cast<int64_t>(m) * p.N + n] = Dtype<T>::from_float(v);
 }
 
-// Count this CTA in at a split tile's counter: one thread's release, ordered after the CTA's
-// slot writes by a barrier before it (as a fence in every thread would be).
-__device__ inline void arrive(int32_t* counter) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
-}
+// An unwritten workspace value: a NaN that no arithmetic returns (the GPU's NaN is 0x7FFFFFFF).
+constexpr uint32_t kEmpty = 0xFFFFFFFFu;
+constexpr int kReadAhead = 8;  // slot reads in flight at once in finish
 
-// Wait until a split tile's counter reaches `count` (acquire: the slots are visible after it).
-// `<`, not `!=`: a count left over from a failed launch cannot hang the next one.
-__device__ inline void wait_for(const int32_t* counter, int count) {
-  int seen;
-  do {
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-  } while (seen < count);
+// Workspace values are read while other CTAs write them: relaxed GPU-scope accesses, each 32-bit
+// value on its own (no ordering between values is needed).
+__device__ inline void store_slot(float* at, float v) {
+  asm volatile("st.relaxed.gpu.global.f32 [%0], %1;" ::"l"(at), "f"(v) : "memory");
+}
+__device__ inline uint32_t load_slot(const float* at) {
+  uint32_t bits;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(bits) : "l"(at) : "memory");
+  return bits;
 }
 
 // The CTAs sharing tile `tile`: first..last (owners of its first and last item).
@@ -496,10 +496,10 @@ __host__ __device__ inline void contributors(const Params& p, int tile, int64_t 
 template <typename T>
 __device__ inline void flush(const Params& p, int tile, bool whole, const float* red) {
   const int valid = p.M * kTileN;  // red rows past M are not written
-  float* slot = p.workspace + (tile + static_cast<int64_t>(blockIdx.x)) * valid;
+  float* slot = p.workspace + static_cast<int64_t>(blockIdx.x) * valid;
   for (int i = threadIdx.x; i < valid; i += kThreads) {
     if (!whole) {
-      slot[i] = red[i];
+      store_slot(slot + i, red[i]);
     } else if (tile * kTileN + i % kTileN < p.N) {
       write_out<T>(p, tile, i / kTileN, i % kTileN, red[i]);
     }
@@ -507,22 +507,34 @@ __device__ inline void flush(const Params& p, int tile, bool whole, const float*
 }
 
 // Once the CTA's range is done: for `owned` (its last segment, a tile it is the first of;
-// -1: none), wait for the other contributors and write red + their slots in CTA order to out.
+// -1: none), add the other contributors' slots to red in CTA order as their values arrive, empty
+// the slots and write the sums to out.
 template <typename T>
 __device__ inline void finish(const Params& p, int owned, const float* red, int64_t items,
                               int ctas) {
   if (owned < 0) return;
   int first, last;
   contributors(p, owned, items, ctas, first, last);
-  if (threadIdx.x == 0) wait_for(p.locks + owned, last - first);
-  __syncthreads();  // ... and thread 0's acquire before every thread's reads of the other slots
   const int valid = p.M * kTileN;
   for (int i = threadIdx.x; i < valid; i += kThreads) {
     float v = red[i];  // fixed CTA order: deterministic
-    for (int c = first + 1; c <= last; ++c) v += __ldcg(p.workspace + (owned + c) * valid + i);
+    for (int c0 = first + 1; c0 <= last; c0 += kReadAhead) {
+      uint32_t bits[kReadAhead];  // one round trip for up to kReadAhead slots
+#pragma unroll
+      for (int j = 0; j < kReadAhead; ++j) {
+        if (c0 + j <= last) bits[j] = load_slot(p.workspace + (c0 + j) * valid + i);
+      }
+#pragma unroll
+      for (int j = 0; j < kReadAhead; ++j) {
+        if (c0 + j > last) break;
+        float* at = p.workspace + (c0 + j) * valid + i;
+        while (bits[j] == kEmpty) bits[j] = load_slot(at);
+        v += __uint_as_float(bits[j]);
+        store_slot(at, __uint_as_float(kEmpty));
+      }
+    }
     if (owned * kTileN + i % kTileN < p.N) write_out<T>(p, owned, i / kTileN, i % kTileN, v);
   }
-  if (threadIdx.x == 0) p.locks[owned] = 0;
 }
 
 // A CTA's run of blocks [b0, b1) in one column tile; warp w takes blocks b0 + w + i kWarps.
@@ -579,7 +591,7 @@ __device__ inline void gemv_body(const Params& p) {
       f.advance(p);
     }
   }
-  pdl_wait();  // x is the previous kernel's output; out, workspace, locks may be its inputs
+  pdl_wait();  // x is the previous kernel's output; out and the workspace may be its inputs
   int fill = 0, read = 0;  // ring slots of the next copy and the next read
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
@@ -630,8 +642,7 @@ __device__ inline void gemv_body(const Params& p) {
     } else {
       flush<T>(p, done.tile, whole, red);
     }
-    __syncthreads();  // red is reused by the next segment; the slot writes precede the release
-    if (!whole && done.b0 != 0 && threadIdx.x == 0) arrive(p.locks + done.tile);
+    __syncthreads();  // red is reused by the next segment
     if (!more) break;
   }
   cp_async_wait<0>();

@@ -5,9 +5,9 @@
 // - every item (column tile, 128-row block) is taken by exactly one warp of exactly one CTA;
 // - a tile is written directly by a CTA only when that CTA owns all of it; otherwise its
 //   contributors are exactly the CTAs contributors() names, the tile is the last segment of the
-//   first of them (which finishes it) and the first segment of each other one (which counts in
-//   once, so the count CTA first waits for, last - first, is reached exactly once);
-// - workspace slots tile + cta are unique and below tiles + ctas (the allocation);
+//   first of them (which finishes it) and the first segment of each other one (which writes its
+//   partial sums to workspace slot cta);
+// - no CTA writes two partial tiles (so slot cta is enough: the workspace has ctas slots);
 // - each 8-lane phase of a warp's 16-byte ring reads hits 8 distinct 16-byte bank groups.
 // Prints "ok" and exits 0, or names the first violation and exits 1.
 #include <cstdio>
@@ -44,7 +44,7 @@ int check_split(int tiles, int num_blocks, int ctas) {
   std::vector<int> taken(items, 0);
   std::vector<std::vector<int>> sharing(tiles);  // CTAs flushing a partial of the tile
   std::vector<int> direct(tiles, 0);
-  std::set<int64_t> slots;
+  std::set<int> slots;  // CTAs that wrote their workspace slot
   for (int c = 0; c < ctas; ++c) {
     const int64_t begin = static_cast<int64_t>(c) * items / ctas;
     const int64_t end = static_cast<int64_t>(c + 1) * items / ctas;
@@ -68,11 +68,8 @@ int check_split(int tiles, int num_blocks, int ctas) {
           return fail("split tile in an unexpected segment", c, s0.tile, s0.b0);
         }
         sharing[s0.tile].push_back(c);
-        if (!slots.insert(s0.tile + static_cast<int64_t>(c)).second) {
-          return fail("workspace slot used twice", s0.tile, c, 0);
-        }
-        if (s0.tile + static_cast<int64_t>(c) >= tiles + static_cast<int64_t>(ctas)) {
-          return fail("workspace slot past the allocation", s0.tile, c, tiles + ctas);
+        if (!starts_tile && !slots.insert(c).second) {
+          return fail("a CTA writes two partial tiles", s0.tile, c, 0);
         }
       }
       item += s0.b1 - s0.b0;

@@ -17,7 +17,8 @@ test oracle. `gptq_matmul` dispatches by `PAGEDQ_GPTQ_BACKEND`, read on every ca
 
 Per call nothing synchronises the host (Python ints, `torch.empty`, launches), so every GPU
 path can be captured in a CUDA graph; the CUDA extension builds on its first call, so run one
-call before capturing.
+call before capturing. The CUDA kernel's launches on one device share one workspace
+(`gemv_workspace`): run them on one stream at a time, as the engine does.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ SMALL_M_MAX_M = 16
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # arrival counters of split tiles per weight (>= tiles of any launch)
+# The CUDA kernel's grid is at most one CTA per resident slot: 3 per SM on the H200 (registers),
+# sized here for 4.
+_GEMV_CTAS_PER_SM = 4
 _INTERPRETER_SMS = 4  # "SM count" used to size split-K in the Triton interpreter
 _KERNEL_MODULES = (
     "triton_kernels.gptq_common",
@@ -66,8 +70,8 @@ class PackedGPTQWeight:
     - scales [G, N] with G = ceil(K / group_size), in the activation dtype; zeros [G, N] in the
       same dtype holds the zero point z' (v1's +1 already applied) as exact integers 0..16, or
       is None when every z' is 8; W^T[k, n] = (q[k, n] - z'[g, n]) * scales[g, n];
-    - locks [>= max(ceil(N / 16), MIN_LOCKS)] int32 is all zeros between launches (split-K
-      arrival counters; two launches on one weight must not run concurrently);
+    - locks [>= max(ceil(N / 16), MIN_LOCKS)] int32 is all zeros between launches (the Triton
+      split-K arrival counters; two launches on one weight must not run concurrently);
     - N % 8 == 0; every tensor is contiguous and on the same device.
     """
 
@@ -130,6 +134,8 @@ def make_packed_weight(
     assert n % 8 == 0 and scales.shape == zeros.shape == (-(-k // group_size), n)
     zeros_t = None if bool((zeros == 8).all()) else zeros.to(device=device, dtype=dtype)
     num_locks = max(-(-n // 16), MIN_LOCKS)
+    if torch.device(device).type == "cuda":
+        gemv_workspace(torch.device(device))  # made now, not inside a CUDA graph capture
     return PackedGPTQWeight(
         qweight=pack_blocks(q).to(device),
         scales=scales.to(device=device, dtype=dtype).contiguous(),
@@ -278,7 +284,22 @@ def _launch_cuda(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None
         x = x.clone(memory_format=torch.contiguous_format)
     if bias is not None:  # every input the op would reject is fixed or refused here
         bias = bias.to(x.dtype).contiguous()
-    return torch.ops.pagedq.gptq_gemv(x, w.qweight, w.scales, w.zeros, bias, w.locks, w.group_size)
+    return torch.ops.pagedq.gptq_gemv(
+        x, w.qweight, w.scales, w.zeros, bias, gemv_workspace(x.device), w.group_size
+    )
+
+
+def gemv_workspace(device: torch.device) -> torch.Tensor:
+    """The CUDA kernel's workspace on `device`: the fp32 partial sums of split tiles, one slot of
+    SMALL_M_MAX_M x 64 values per CTA, all -1 (empty) between launches. One per device, so its
+    launches run one at a time (see cuda_ext/gptq_gemv.cuh)."""
+    return _gemv_workspace(_device_index(device))
+
+
+@functools.cache
+def _gemv_workspace(index: int) -> torch.Tensor:
+    size = _cuda_sms(index) * _GEMV_CTAS_PER_SM * SMALL_M_MAX_M * 64
+    return torch.full((size,), -1, dtype=torch.int32, device=torch.device("cuda", index))
 
 
 def _cuda_ext_applies(x: torch.Tensor, w: PackedGPTQWeight) -> bool:
@@ -302,10 +323,14 @@ def _cuda_sms(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_SMS
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sms(_device_index(device))
 
 
 def _triton_kernels(device: torch.device) -> tuple[Any, Any]:
