@@ -44,7 +44,8 @@
 // trips cost the M=1 stack 7%). CTA first waits only for higher-numbered CTAs of the same grid;
 // all of them have started before any kernel that depends on this one can take their place
 // (PDL), and the grid fits on the GPU at once. Launches that share a workspace run one at a
-// time (one stream).
+// time (one stream). A launch that faults mid-way leaves the CUDA context unusable, so no later
+// launch sees a half-used workspace.
 //
 // PDL (programmatic dependent launch, sm_90+): each CTA lets the next kernel launch at once and
 // copies its first weights before waiting for the previous kernel; x, out and the workspace are
