@@ -38,9 +38,10 @@ BACKENDS = ("auto", "cuda", "triton", "torch")
 
 # Dispatch threshold on M (rows of x), set from bench/bench_gptq.py on an H200: small-M kernels
 # up to here (the CUDA kernel where it applies, else the Triton split-K GEMV), tiled GEMM above.
-# The CUDA kernel is the faster small-M path at every M, captured or eager (H200 dev A/B stacks
-# of 2026-11-30: 1.35 ms at M=1, 2.07 at M=16, Triton split-K GEMV 2.16..2.23; eager calls are
-# host-bound and the CUDA op costs about a fifth of a Triton launch on the host).
+# The CUDA kernel is the faster small-M path at every M, captured or eager (H200 bench stacks
+# of 2026-11-30, gptq_w4a_2026-11-30l: 1.20 ms at M=1, 2.07 at M=16, Triton split-K GEMV
+# 2.17..2.24; eager calls are host-bound and the CUDA op costs about a fifth of a Triton launch
+# on the host).
 SMALL_M_MAX_M = 16
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
