@@ -215,7 +215,9 @@ __device__ inline void pdl_wait() {
 }
 
 // Group row of quarter q of block b (q = 0 for block-wide groups), clamped for padded rows.
-__host__ __device__ inline int64_t group_row(const Params& p, int b, int q) {
+// P: any launch parameters with group_size and num_groups (this kernel's and gptq_gemm.cuh's).
+template <typename P>
+__host__ __device__ inline int64_t group_row(const P& p, int b, int q) {
   const int row = b * kBlockK + 32 * q, gs = p.group_size;
   // power-of-two groups (all real checkpoints): a shift instead of an integer division
 #ifdef __CUDA_ARCH__

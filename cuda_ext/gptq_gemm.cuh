@@ -1,0 +1,481 @@
+// GPTQ 4-bit matmul for larger batches on Hopper (sm_90a): wgmma with the dequantized weights as
+// the register operand, activations from shared memory, fp32 accumulation, stream-K.
+//
+// out^T [N, M] = W^T [N, K] x^T [K, M]. A CTA tile is 256 output columns x BT tokens (BT = 64 or
+// 128, the wgmma N): two warpgroups of 128 columns, each two m64 wgmma tiles, so every weight is
+// dequantized once per BT tokens and every activation is read from L2 once per 256 columns (the
+// Triton GEMM's 64-column tiles read x four times as often).
+//
+// Layout: the packed weights of pagedq/ops/gptq.py, as in gptq_gemv.cuh (block b = word rows
+// 16b..16b+15 = input rows 128b..128b+127; nibble p + 4h of word row r is input row 32p + 2r + h).
+// The k16 slice (p, s) of a block is input rows 32p + 16s + 0..15, in natural order, so x needs
+// no permutation: A's k pair (2t, 2t + 1) of that slice is nibble pair p of word row 8s + t, and
+// (2t + 8, 2t + 9) that of word row 8s + t + 4. A's row g of warp w is output column 16w + 2g and
+// row g + 8 is column 16w + 2g + 1, so a lane's two columns are one 8-byte shared-memory read per
+// word row and one 4-byte store per token.
+//
+// Pipeline. A stage holds one 128-row block: x [BT tokens x 128] as two 128-byte-swizzled halves
+// (the wgmma B operand, K-major), the 16 word rows of the 256 columns, and their scales (and
+// zeros). All 256 threads copy stage i + STAGES - 2 with cp.async while the warpgroups compute
+// stage i; each block is two halves of four k16 slices whose A fragments live in two register
+// sets, so one half's wgmmas run while the next half is dequantized (wgmma.wait_group 1).
+//
+// Work split, as in gptq_gemv.cuh: items are (tile, block) in tile-major order, tiles
+// (column tile, token tile) with the token tiles of a column tile adjacent; the persistent grid
+// gives CTA c the items [c * items / C, (c + 1) * items / C). A split tile is finished by the
+// CTA owning its first block (that segment is the CTA's last): the other contributors store
+// their accumulators to workspace slot `cta` (one per CTA, fragment order, all kEmpty between
+// launches) and the owner adds them in CTA order as they land.
+#pragma once
+
+#include "gptq_gemv.cuh"
+
+namespace pagedq {
+namespace gptq {
+
+constexpr int kGemmThreads = 256;           // two warpgroups
+constexpr int kGemmCols = 256;              // output columns per tile
+constexpr int kWordStride = kGemmCols + 8;  // words per smem word row: 8-byte reads spread banks
+
+template <int BT>
+__host__ __device__ constexpr int gemm_stages() {
+  return BT > 64 ? 4 : 6;
+}
+
+struct GemmParams {
+  const void* x;           // [M, K] T, row stride x_stride elements
+  const int32_t* qweight;  // [Kp/8, N]
+  const void* scales;      // [G, N] T
+  const void* zeros;       // [G, N] T (z') or nullptr: every z' is 8
+  const void* bias;        // [N] T or nullptr
+  void* out;               // [M, N] T contiguous
+  float* workspace;        // [>= ctas * 256 * BT] fp32, all kEmpty between launches
+  int64_t x_stride;
+  int M, N, K;             // K % 8 == 0, N % 8 == 0
+  int group_size, num_groups;
+  int tiles_m, tiles_n, num_blocks;  // ceil(M / BT), ceil(N / 256), ceil(K / 128)
+};
+
+// Byte offsets of one pipeline stage in shared memory (1024-aligned: the swizzle atom).
+template <int BT, bool PQ>
+struct GemmStage {
+  static constexpr int kQ = PQ ? 4 : 1;                 // scale rows per block
+  static constexpr int kXHalf = BT * 128;               // BT tokens x 64 k x 2 bytes
+  static constexpr int kW = 2 * kXHalf;                 // word rows
+  static constexpr int kS = kW + 16 * kWordStride * 4;  // scales [kQ][256]
+  static constexpr int kZ = kS + kQ * kGemmCols * 2;    // zeros [kQ][256]
+  static constexpr int kBytes = (kZ + kQ * kGemmCols * 2 + 1023) / 1024 * 1024;
+};
+
+template <int BT, bool PQ>
+constexpr size_t gemm_smem_bytes() {
+  return static_cast<size_t>(GemmStage<BT, PQ>::kBytes) * gemm_stages<BT>() + 1024;  // + align
+}
+
+// --- wgmma (sm_90a)
+
+__device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ inline void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int kPending>
+__device__ inline void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+// Pin registers at this point of the program (the compiler must not move their reads or writes
+// across a wgmma fence or wait, which it cannot see through).
+template <int N>
+__device__ inline void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ inline void fence_regs(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+// Generic-proxy writes (cp.async) made visible to the async proxy (wgmma reads of B).
+__device__ inline void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand starting at byte
+// address `addr`: 8-row core groups 1024 bytes apart.
+__device__ inline uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PAGEDQ_WGMMA
+#endif
+
+// acc (+)= A B; keep = 0: acc = A B (the first k16 slice of a tile).
+template <typename T, int BT>
+struct Wgmma;
+template <>
+struct Wgmma<__half, 64> {
+  __device__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t keep) {
+#ifdef PAGEDQ_WGMMA
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(keep));
+#else
+    __trap();
+#endif
+  }
+};
+template <>
+struct Wgmma<__nv_bfloat16, 64> {
+  __device__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t keep) {
+#ifdef PAGEDQ_WGMMA
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(keep));
+#else
+    __trap();
+#endif
+  }
+};
+template <>
+struct Wgmma<__half, 128> {
+  __device__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, uint32_t keep) {
+#ifdef PAGEDQ_WGMMA
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(keep));
+#else
+    __trap();
+#endif
+  }
+};
+template <>
+struct Wgmma<__nv_bfloat16, 128> {
+  __device__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, uint32_t keep) {
+#ifdef PAGEDQ_WGMMA
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(keep));
+#else
+    __trap();
+#endif
+  }
+};
+
+// Copy block b of tile (m0 tokens, n0 columns) into stage `st`: the weights, scales and zeros
+// (with_w), and/or x (with_x).
+template <int BT, bool PQ, bool Z>
+__device__ inline void gemm_issue(const GemmParams& p, unsigned char* st, int m0, int n0, int b,
+                                  bool with_w, bool with_x) {
+  using S = GemmStage<BT, PQ>;
+  const int tid = threadIdx.x;
+  if (with_x) {
+#pragma unroll
+    for (int i = 0; i < BT * 16 / kGemmThreads; ++i) {  // BT rows x 16 chunks of 8 elements
+      const int id = tid + i * kGemmThreads, row = id / 16, c = id % 16;
+      const int k = b * kBlockK + 8 * c;
+      const bool ok = m0 + row < p.M && k < p.K;  // K % 8 == 0: a chunk is whole or absent
+      const uint16_t* src = static_cast<const uint16_t*>(p.x) +
+                            (ok ? static_cast<int64_t>(m0 + row) * p.x_stride + k : 0);
+      // 128-byte swizzle: chunk c % 8 of row `row` sits at chunk (c % 8) ^ (row % 8)
+      cp_async<16>(st + (c / 8) * S::kXHalf + row * 128 + (((c % 8) ^ (row % 8)) * 16), src, ok);
+    }
+  }
+  if (with_w) {
+#pragma unroll
+    for (int i = 0; i < 16 * kGemmCols / 4 / kGemmThreads; ++i) {  // 16 rows x 64 chunks
+      const int id = tid + i * kGemmThreads, r = id / 64, c = id % 64;
+      const bool ok = n0 + 4 * c < p.N;  // N % 8 == 0: 4 columns exist together
+      const int32_t* src =
+          p.qweight + (ok ? (static_cast<int64_t>(b) * 16 + r) * p.N + n0 + 4 * c : 0);
+      cp_async<16>(st + S::kW + r * kWordStride * 4 + 16 * c, src, ok);
+    }
+    for (int id = tid; id < S::kQ * 32; id += kGemmThreads) {  // kQ rows x 32 chunks
+      const int q = id / 32, c = id % 32;
+      const bool ok = n0 + 8 * c < p.N;
+      const int64_t at = ok ? group_row(p, b, q) * p.N + n0 + 8 * c : 0;
+      cp_async<16>(st + S::kS + q * kGemmCols * 2 + 16 * c,
+                   static_cast<const uint16_t*>(p.scales) + at, ok);
+      if constexpr (Z) {
+        cp_async<16>(st + S::kZ + q * kGemmCols * 2 + 16 * c,
+                     static_cast<const uint16_t*>(p.zeros) + at, ok);
+      }
+    }
+  }
+}
+
+// Half h of a block: dequantize k16 slices (p, s) for p = 2h, 2h + 1 into `a` [slice][mt] and
+// issue their wgmmas on x half h.
+template <typename T, int BT, bool PQ, bool Z>
+__device__ inline void gemm_half(const unsigned char* st, uint32_t x_addr, int h,
+                                 uint32_t (&a)[4][2][4], float (&acc)[2][BT / 2], bool fresh) {
+  using S = GemmStage<BT, PQ>;
+  constexpr uint32_t kMagic = Dtype<T>::kMagicBits;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int col = 128 * (threadIdx.x / 128) + 16 * (threadIdx.x / 32 % 4) + 2 * g;  // + 64 mt
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    uint2 w[4];  // word rows t + 4j, columns col + 64 mt + (0, 1)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      w[j] = *reinterpret_cast<const uint2*>(st + S::kW + ((t + 4 * j) * kWordStride + col + 64 * mt) * 4);
+    }
+#pragma unroll
+    for (int pp = 0; pp < 2; ++pp) {
+      const int p = 2 * h + pp, q = PQ ? p : 0;
+      const uint32_t s2 = *reinterpret_cast<const uint32_t*>(st + S::kS + (q * kGemmCols + col + 64 * mt) * 2);
+      const uint32_t z2 = Z ? *reinterpret_cast<const uint32_t*>(st + S::kZ + (q * kGemmCols + col + 64 * mt) * 2) : 0u;
+      uint32_t sc[2], zb[2];  // columns col + e: the scale and MAGIC + z' (odd fp16 p: -(64 + z'))
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sc[e] = __byte_perm(s2, 0, e == 0 ? 0x1010 : 0x3232);
+        const uint32_t z = __byte_perm(z2, 0, e == 0 ? 0x1010 : 0x3232);
+        if (Dtype<T>::kHighNibbles && p % 2 == 1) {
+          zb[e] = Z ? fma2<T>(z, 0xBC00BC00u, 0xD400D400u) : 0xD480D480u;
+        } else {
+          zb[e] = Z ? add2<T>(kMagic, z) : kMagic + 0x00080008u;
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // A reg r: word row 8s + t (+ 4 for r >= 2), column e
+          const int e = r % 2;
+          const uint32_t word = e == 0 ? w[2 * s + r / 2].x : w[2 * s + r / 2].y;
+          uint32_t d;
+          if constexpr (Dtype<T>::kHighNibbles) {
+            const uint32_t src = p >= 2 ? word >> 8 : word;
+            d = p % 2 == 0 ? sub2<T>(nibble_pair(src, kMagic), zb[e])
+                           : fma2<T>(nibble_pair_hi(src, kMagic), 0x2C002C00u, zb[e]);
+          } else {
+            d = sub2<T>(nibble_pair(word >> (4 * p), kMagic), zb[e]);
+          }
+          a[2 * pp + s][mt][r] = mul2<T>(d, sc[e]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int sl = 0; sl < 4; ++sl) fence_regs(a[sl][0]), fence_regs(a[sl][1]);
+  wgmma_fence();
+#pragma unroll
+  for (int sl = 0; sl < 4; ++sl) {  // slice (2h + sl / 2, sl % 2): bytes 64 (sl / 2) + 32 (sl % 2)
+    const uint64_t desc = smem_desc(x_addr + h * S::kXHalf + 32 * sl);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) Wgmma<T, BT>::run(acc[mt], a[sl][mt], desc, !(fresh && sl == 0));
+  }
+  wgmma_commit();
+}
+
+// Store the tile's sums (+ bias) to out: lane (g, t) holds columns col, col + 1 (A rows g, g + 8)
+// for tokens 8j + 2t (+ 1).
+template <typename T, int BT>
+__device__ inline void gemm_write(const GemmParams& p, int m0, int n0, const float (&acc)[2][BT / 2]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int col0 = n0 + 128 * (threadIdx.x / 128) + 16 * (threadIdx.x / 32 % 4) + 2 * g;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const int col = col0 + 64 * mt;
+    if (col >= p.N) continue;
+    float b0 = 0.f, b1 = 0.f;
+    if (p.bias != nullptr) {
+      b0 = Dtype<T>::to_float(static_cast<const uint16_t*>(p.bias)[col]);
+      b1 = Dtype<T>::to_float(static_cast<const uint16_t*>(p.bias)[col + 1]);
+    }
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = m0 + 8 * i + 2 * t + e;
+        if (m >= p.M) continue;
+        const uint32_t lo = Dtype<T>::from_float(acc[mt][4 * i + e] + b0);
+        const uint32_t hi = Dtype<T>::from_float(acc[mt][4 * i + 2 + e] + b1);
+        *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + static_cast<int64_t>(m) * p.N + col) = lo | (hi << 16);
+      }
+    }
+  }
+}
+
+// Value i of this thread's accumulators in workspace slot `cta` (fragment order: coalesced).
+template <int BT>
+__device__ inline float* gemm_slot(const GemmParams& p, int cta, int i) {
+  return p.workspace + (static_cast<int64_t>(cta) * BT + i) * kGemmThreads + threadIdx.x;
+}
+
+// The owner of split tile `tile` adds the other contributors' slots in CTA order as they land,
+// and empties them.
+template <int BT>
+__device__ inline void gemm_finish(const GemmParams& p, int tile, float (&acc)[2][BT / 2],
+                                   int64_t items, int ctas) {
+  const int first = owner(static_cast<int64_t>(tile) * p.num_blocks, items, ctas);
+  const int last = owner(static_cast<int64_t>(tile + 1) * p.num_blocks - 1, items, ctas);
+  for (int c = first + 1; c <= last; ++c) {
+#pragma unroll
+    for (int i0 = 0; i0 < BT; i0 += kReadAhead) {
+      uint32_t bits[kReadAhead];
+#pragma unroll
+      for (int j = 0; j < kReadAhead; ++j) bits[j] = load_slot(gemm_slot<BT>(p, c, i0 + j));
+#pragma unroll
+      for (int j = 0; j < kReadAhead; ++j) {
+        float* at = gemm_slot<BT>(p, c, i0 + j);
+        while (bits[j] == kEmpty) bits[j] = load_slot(at);
+        acc[(i0 + j) / (BT / 2)][(i0 + j) % (BT / 2)] += __uint_as_float(bits[j]);
+        store_slot(at, __uint_as_float(kEmpty));
+      }
+    }
+  }
+}
+
+template <typename T, int BT, bool PQ, bool Z>
+__device__ inline void gemm_body(const GemmParams& p) {
+  using S = GemmStage<BT, PQ>;
+  constexpr int kStages = gemm_stages<BT>();
+  extern __shared__ __align__(16) unsigned char gemm_smem[];
+  const uint32_t raw = smem_addr(gemm_smem);
+  unsigned char* ring = gemm_smem + ((1024 - raw % 1024) % 1024);  // swizzle atoms: 1024-aligned
+  const uint32_t ring_addr = smem_addr(ring);
+  pdl_launch_dependents();
+
+  const int ctas = gridDim.x;
+  const int items = p.tiles_n * p.tiles_m * p.num_blocks;  // < 2^31 (checked at launch)
+  const int begin = static_cast<int>(static_cast<int64_t>(blockIdx.x) * items / ctas);
+  const int count = static_cast<int>(static_cast<int64_t>(blockIdx.x + 1) * items / ctas) - begin;
+  // item -> tile (column tile-major, token tiles adjacent), block
+  auto where = [&](int item, int& m0, int& n0, int& b) {
+    const int tile = item / p.num_blocks;
+    b = item - tile * p.num_blocks;
+    m0 = tile % p.tiles_m * BT;
+    n0 = tile / p.tiles_m * kGemmCols;
+  };
+
+  // prologue: the first stages' weights before waiting for the previous kernel, then x
+#pragma unroll
+  for (int i = 0; i < kStages - 2; ++i) {
+    if (i < count) {
+      int m0, n0, b;
+      where(begin + i, m0, n0, b);
+      gemm_issue<BT, PQ, Z>(p, ring + i * S::kBytes, m0, n0, b, true, false);
+    }
+  }
+  pdl_wait();  // x is the previous kernel's output; out and the workspace may be its inputs
+#pragma unroll
+  for (int i = 0; i < kStages - 2; ++i) {
+    if (i < count) {
+      int m0, n0, b;
+      where(begin + i, m0, n0, b);
+      gemm_issue<BT, PQ, Z>(p, ring + i * S::kBytes, m0, n0, b, false, true);
+    }
+    cp_async_commit();  // one group per item, empty ones too: the waits count groups
+  }
+
+  float acc[2][BT / 2];     // written by wgmma only: a tile's first slice overwrites it
+  uint32_t a[2][4][2][4];  // [register set = block half][slice][mt][reg]
+  int seg_first = 0;       // the current segment's first block
+  bool fresh = true;       // the next block starts a segment
+  int owned = -1;       // the split tile this CTA finishes
+  for (int i = 0;; ++i) {  // count >= 1 (ctas <= items); the loop ends at a flush (wgmma drained)
+    cp_async_wait<kStages - 3>();  // item i has landed (this thread's copies)
+    fence_proxy_async();
+    __syncthreads();  // ... everyone's; and item i - 2's wgmmas are done in both warpgroups
+    if (i + kStages - 2 < count) {
+      int m0, n0, b;
+      where(begin + i + kStages - 2, m0, n0, b);
+      gemm_issue<BT, PQ, Z>(p, ring + ((i + kStages - 2) % kStages) * S::kBytes, m0, n0, b, true, true);
+    }
+    cp_async_commit();
+    int m0, n0, b;
+    where(begin + i, m0, n0, b);
+    if (i == 0) seg_first = b;
+    const unsigned char* st = ring + (i % kStages) * S::kBytes;
+    const uint32_t x_addr = ring_addr + (i % kStages) * S::kBytes;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      wgmma_wait<1>();  // the wgmmas that read register set h (two halves ago) are done
+#pragma unroll
+      for (int sl = 0; sl < 4; ++sl) fence_regs(a[h][sl][0]), fence_regs(a[h][sl][1]);
+      gemm_half<T, BT, PQ, Z>(st, x_addr, h, a[h], acc, fresh && h == 0);
+    }
+    fresh = false;
+    if (b == p.num_blocks - 1 || i == count - 1) {  // the segment ends: flush the tile
+      wgmma_wait<0>();
+      fence_regs(acc[0]);
+      fence_regs(acc[1]);
+      const int tile = (begin + i) / p.num_blocks;
+      const bool whole = seg_first == 0 && b == p.num_blocks - 1;
+      if (whole) {
+        gemm_write<T, BT>(p, m0, n0, acc);
+      } else if (seg_first == 0) {
+        owned = tile;  // the CTA's last segment: finished below
+      } else {
+#pragma unroll
+        for (int v = 0; v < BT; ++v) store_slot(gemm_slot<BT>(p, blockIdx.x, v), acc[v / (BT / 2)][v % (BT / 2)]);
+      }
+      if (i == count - 1) break;
+      fresh = true;
+      seg_first = 0;  // later segments start at block 0
+    }
+  }
+  cp_async_wait<0>();
+  if (owned >= 0) {
+    int m0, n0, b;
+    where(owned * p.num_blocks, m0, n0, b);
+    gemm_finish<BT>(p, owned, acc, items, ctas);
+    gemm_write<T, BT>(p, m0, n0, acc);
+  }
+}
+
+template <typename T, int BT, bool PQ>
+__global__ void __launch_bounds__(kGemmThreads, 1) gptq_gemm_kernel(const GemmParams p) {
+  if (p.zeros != nullptr) {
+    gemm_body<T, BT, PQ, true>(p);
+  } else {
+    gemm_body<T, BT, PQ, false>(p);
+  }
+}
+
+}  // namespace gptq
+}  // namespace pagedq
