@@ -54,7 +54,7 @@ from pagedq.ops.gptq import PackedGPTQWeight
 
 COPY_CEILING_TBS = 4.28
 MS = (1, 16, 64, 256)
-SMALL_MS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+PATH_MS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 TARGETS_MS = {1: 1.1, 16: 1.4, 64: 3.5}  # targets.md W4a (M=256: within 1.2x of dense fp16)
 
 
@@ -96,29 +96,32 @@ def with_backend(name: str, fn: Callable[[], Any]) -> Any:
             os.environ[ops.BACKEND_ENV] = old
 
 
-def small_m_sweep(
-    weights: list[PackedGPTQWeight], nbytes: int, repeats: int
-) -> list[dict[str, Any]]:
-    """Graph and eager time of the stack per small-M path, to check that the CUDA kernel is the
-    faster small-M path at every M and to set SMALL_M_MAX_M."""
+def path_sweep(weights: list[PackedGPTQWeight], nbytes: int, repeats: int) -> list[dict[str, Any]]:
+    """Graph and eager time of the stack per path and M, to set the dispatch thresholds:
+    SMALL_M_MAX_M (the CUDA GEMV against Triton) and the wgmma GEMM's rule (`use_cuda_gemm`;
+    here it runs every layer, the rule picks per layer)."""
     paths: dict[str, Callable[..., torch.Tensor]] = {
-        "cuda": lambda x, w: ops._launch_cuda(x, w, None),
+        "cuda": lambda x, w: ops._launch_cuda(x, w, None, gemm=False),
+        "cuda_gemm": lambda x, w: ops._launch_cuda(x, w, None, gemm=True),
         "triton_gemv": lambda x, w: ops._launch_triton(x, w, None, small=True),
         "triton_gemm": lambda x, w: ops._launch_triton(x, w, None, small=False),
     }
     x0 = torch.randn(1, 4096, device="cuda", dtype=torch.float16)
     if not ops._cuda_ext_applies(x0, weights[0]):
-        del paths["cuda"]
+        del paths["cuda"], paths["cuda_gemm"]
+    elif not ops._is_sm90(x0.device):
+        del paths["cuda_gemm"]
     rows = []
-    for m in SMALL_MS:
+    for m in PATH_MS:
         row: dict[str, Any] = {"m": m}
         for name, call in paths.items():
-            if m > ops.SMALL_M_MAX_M and name != "triton_gemm":
+            small_only = name in ("cuda", "triton_gemv")
+            if (m > ops.SMALL_M_MAX_M and small_only) or (m <= 16 and name == "cuda_gemm"):
                 continue
             row[name] = measure(pagedq_stack(weights, m, call), nbytes, repeats)
         rows.append(row)
         print(
-            f"  small-M sweep M={m}: "
+            f"  path sweep M={m}: "
             + ", ".join(
                 f"{k} {v['graph_ms']:.3f} ms ({v['eager_ms']:.3f})"
                 for k, v in row.items()
@@ -187,7 +190,7 @@ def main() -> None:
             f"  M={m}: pagedq {row['pagedq']['graph_ms']:.3f} ms ({row['pagedq']['eager_ms']:.3f})",
             flush=True,
         )
-    results["small_m"] = small_m_sweep(weights, nbytes, args.repeats)
+    results["paths"] = path_sweep(weights, nbytes, args.repeats)
     if args.sweep:
         from triton_kernels.gptq_tuning import sweep_and_apply
 
@@ -256,11 +259,11 @@ def write(results: dict[str, Any], out: Path) -> None:
                 f"| {m} | {name} | {r['graph_ms']:.3f} | {r['eager_ms']:.3f} | "
                 f"{r['tbs']:.2f} | {pct:.0f}% |"
             )
-    lines += ["", "Small-M paths (graph ms, eager in brackets): " + "; ".join(
+    lines += ["", "Paths by M (graph ms, eager in brackets): " + "; ".join(
         f"M={r['m']}: " + ", ".join(
             f"{k} {v['graph_ms']:.3f} ({v['eager_ms']:.3f})" for k, v in r.items() if k != "m"
         )
-        for r in results["small_m"]
+        for r in results["paths"]
     )]  # fmt: skip
     if results["skipped"]:
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped"].items())]

@@ -16,12 +16,25 @@ at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
                           const std::optional<at::Tensor>& bias, at::Tensor& workspace,
                           int64_t group_size);
 
+// gptq_gemm.cu: the same product for any M on sm_90 (wgmma), tiles of 256 columns x tile_tokens
+// (64 or 128) rows; workspace [>= CTAs * 256 * tile_tokens] int32, the same protocol.
+at::Tensor gptq_gemm_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& zeros,
+                          const std::optional<at::Tensor>& bias, at::Tensor& workspace,
+                          int64_t group_size, int64_t tile_tokens);
+
 }  // namespace pagedq
 
 TORCH_LIBRARY_FRAGMENT(pagedq, m) {
   m.def(
       "gptq_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
       "Tensor(a!) workspace, int group_size) -> Tensor");
+  m.def(
+      "gptq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
+      "Tensor(a!) workspace, int group_size, int tile_tokens) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedq, CUDA, m) { m.impl("gptq_gemv", &pagedq::gptq_gemv_cuda); }
+TORCH_LIBRARY_IMPL(pagedq, CUDA, m) {
+  m.impl("gptq_gemv", &pagedq::gptq_gemv_cuda);
+  m.impl("gptq_gemm", &pagedq::gptq_gemm_cuda);
+}

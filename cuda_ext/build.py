@@ -6,7 +6,8 @@ torch.library. The fake (meta) kernels are registered here, so the ops work unde
 torch.compile and inside CUDA-graph captures.
 
 The build uses `torch.utils.cpp_extension.load` with only the current device's architecture
-(`-gencode=arch=compute_90,code=sm_90` on an H100/H200), MAX_JOBS parallel jobs (default: the
+(`-gencode=arch=compute_90a,code=sm_90a` on an H100/H200: the GEMM's wgmma needs the
+architecture-specific target), MAX_JOBS parallel jobs (default: the
 CPU count, at most 8), and caches its output under `$PAGEDQ_CACHE_DIR/cuda_ext` (default
 `~/.cache/pagedq/cuda_ext`), one folder per torch / CUDA / architecture. If nvcc or the GPU is
 missing, or the build fails, `gptq_ext_available` returns False and warns once per process.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("gptq_gemv.cu", "bindings.cpp")  # the one source list
+SOURCES = ("gptq_gemv.cu", "gptq_gemm.cu", "bindings.cpp")  # the one source list
 EXTENSION_NAME = "pagedq_cuda_ext"
 MIN_CAPABILITY = (8, 0)  # bf16 pair arithmetic
 
@@ -37,7 +38,8 @@ def cache_dir() -> Path:
 
 
 def gptq_ext_available(device: torch.device) -> bool:
-    """True when `torch.ops.pagedq.gptq_gemv` can run on `device` (builds it on the first call)."""
+    """True when the extension's ops (`torch.ops.pagedq.gptq_gemv`, and on sm_90
+    `torch.ops.pagedq.gptq_gemm`) can run on `device` (builds them on the first call)."""
     if device.type != "cuda":
         return False
     with _lock:
@@ -69,7 +71,7 @@ def _build(capability: tuple[int, int]) -> None:
 
     if cpp_extension.CUDA_HOME is None:
         raise RuntimeError("nvcc not found (CUDA_HOME unset)")
-    arch = f"{capability[0]}{capability[1]}"
+    arch = f"{capability[0]}{capability[1]}" + ("a" if capability == (9, 0) else "")
     tag = re.sub(
         r"[^A-Za-z0-9_.]", "_", f"torch{torch.__version__}-cu{torch.version.cuda}-sm{arch}"
     )
@@ -102,4 +104,17 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return x.new_empty((x.shape[0], qweight.shape[1]))
 
+    def gptq_gemm_fake(
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        workspace: torch.Tensor,
+        group_size: int,
+        tile_tokens: int,
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], qweight.shape[1]))
+
     torch.library.register_fake("pagedq::gptq_gemv", gptq_gemv_fake)
+    torch.library.register_fake("pagedq::gptq_gemm", gptq_gemm_fake)

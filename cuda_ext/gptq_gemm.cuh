@@ -28,6 +28,8 @@
 // launches) and the owner adds them in CTA order as they land.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a kernel parameter type; no driver calls here)
+
 #include "gptq_gemv.cuh"
 
 namespace pagedq {
@@ -68,8 +70,8 @@ struct GemmStage {
 };
 
 template <int BT, bool PQ>
-constexpr size_t gemm_smem_bytes() {
-  return static_cast<size_t>(GemmStage<BT, PQ>::kBytes) * gemm_stages<BT>() + 1024;  // + align
+constexpr size_t gemm_smem_bytes() {  // the stages, their mbarriers, and room to align
+  return static_cast<size_t>(GemmStage<BT, PQ>::kBytes + 8) * gemm_stages<BT>() + 1024;
 }
 
 // --- wgmma (sm_90a)
@@ -205,56 +207,91 @@ struct Wgmma<__nv_bfloat16, 128> {
 #endif
   }
 };
+// --- stage copies: bulk copies whose completion the stage's mbarrier counts in bytes
 
-// Copy block b of tile (m0 tokens, n0 columns) into stage `st`: the weights, scales and zeros
-// (with_w), and/or x (with_x).
+__device__ inline void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ inline void mbar_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{ .reg .pred done;\n"
+      "WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT; }" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// `bytes` (a multiple of 16) from global `src` to shared `dst`, both 16-byte aligned.
+__device__ inline void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+// The box at (k, row) of the tensor map (x: 64 k x BT rows, 128-byte swizzle, zeros outside).
+__device__ inline void tensor_copy(void* dst, const void* map, int k, int row, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, "
+      "{%2, %3}], [%4];" ::"r"(smem_addr(dst)),
+      "l"(map), "r"(k), "r"(row), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// Bytes one stage receives for column tile n0.
 template <int BT, bool PQ, bool Z>
-__device__ inline void gemm_issue(const GemmParams& p, unsigned char* st, int m0, int n0, int b,
-                                  bool with_w, bool with_x) {
+__device__ inline uint32_t stage_bytes(const GemmParams& p, int n0) {
+  const int cols = p.N - n0 < kGemmCols ? p.N - n0 : kGemmCols;
+  return 16 * cols * 4 + GemmStage<BT, PQ>::kQ * cols * 2 * (Z ? 2 : 1) + 2 * BT * 128;
+}
+
+// Issue block b of tile (m0, n0) into stage `st`: the weights, scales and zeros (with_w), and/or
+// x (with_x). Called by every thread: lane 0 of each warp issues its share (warp w: word rows 2w
+// and 2w + 1; warp 0 also arms the barrier, warp 1 the scales and zeros, warps 2 and 3 the x
+// halves), so no warp lags its warpgroup. Columns past N are not copied (never stored).
+template <int BT, bool PQ, bool Z>
+__device__ inline void gemm_issue(const GemmParams& p, const void* x_map, unsigned char* st,
+                                  uint64_t* bar, int m0, int n0, int b, bool with_w, bool with_x) {
   using S = GemmStage<BT, PQ>;
-  const int tid = threadIdx.x;
-  if (with_x) {
-#pragma unroll
-    for (int i = 0; i < BT * 16 / kGemmThreads; ++i) {  // BT rows x 16 chunks of 8 elements
-      const int id = tid + i * kGemmThreads, row = id / 16, c = id % 16;
-      const int k = b * kBlockK + 8 * c;
-      const bool ok = m0 + row < p.M && k < p.K;  // K % 8 == 0: a chunk is whole or absent
-      const uint16_t* src = static_cast<const uint16_t*>(p.x) +
-                            (ok ? static_cast<int64_t>(m0 + row) * p.x_stride + k : 0);
-      // 128-byte swizzle: chunk c % 8 of row `row` sits at chunk (c % 8) ^ (row % 8)
-      cp_async<16>(st + (c / 8) * S::kXHalf + row * 128 + (((c % 8) ^ (row % 8)) * 16), src, ok);
-    }
-  }
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 != 0) return;
+  const int cols = p.N - n0 < kGemmCols ? p.N - n0 : kGemmCols;
+  if (with_w && warp == 0) mbar_expect(bar, stage_bytes<BT, PQ, Z>(p, n0));
   if (with_w) {
+    const int32_t* w = p.qweight + (static_cast<int64_t>(b) * 16 + 2 * warp) * p.N + n0;
+    bulk_copy(st + S::kW + 2 * warp * kWordStride * 4, w, cols * 4, bar);
+    bulk_copy(st + S::kW + (2 * warp + 1) * kWordStride * 4, w + p.N, cols * 4, bar);
+    if (warp == 1) {
 #pragma unroll
-    for (int i = 0; i < 16 * kGemmCols / 4 / kGemmThreads; ++i) {  // 16 rows x 64 chunks
-      const int id = tid + i * kGemmThreads, r = id / 64, c = id % 64;
-      const bool ok = n0 + 4 * c < p.N;  // N % 8 == 0: 4 columns exist together
-      const int32_t* src =
-          p.qweight + (ok ? (static_cast<int64_t>(b) * 16 + r) * p.N + n0 + 4 * c : 0);
-      cp_async<16>(st + S::kW + r * kWordStride * 4 + 16 * c, src, ok);
-    }
-    for (int id = tid; id < S::kQ * 32; id += kGemmThreads) {  // kQ rows x 32 chunks
-      const int q = id / 32, c = id % 32;
-      const bool ok = n0 + 8 * c < p.N;
-      const int64_t at = ok ? group_row(p, b, q) * p.N + n0 + 8 * c : 0;
-      cp_async<16>(st + S::kS + q * kGemmCols * 2 + 16 * c,
-                   static_cast<const uint16_t*>(p.scales) + at, ok);
-      if constexpr (Z) {
-        cp_async<16>(st + S::kZ + q * kGemmCols * 2 + 16 * c,
-                     static_cast<const uint16_t*>(p.zeros) + at, ok);
+      for (int q = 0; q < S::kQ; ++q) {
+        const int64_t at = group_row(p, b, q) * p.N + n0;
+        bulk_copy(st + S::kS + q * kGemmCols * 2, static_cast<const uint16_t*>(p.scales) + at,
+                  cols * 2, bar);
+        if constexpr (Z) {
+          bulk_copy(st + S::kZ + q * kGemmCols * 2, static_cast<const uint16_t*>(p.zeros) + at,
+                    cols * 2, bar);
+        }
       }
     }
   }
+  if (with_x && (warp == 2 || warp == 3)) {
+    tensor_copy(st + (warp - 2) * S::kXHalf, x_map, b * kBlockK + 64 * (warp - 2), m0, bar);
+  }
 }
 
-// Half h of a block: dequantize k16 slices (p, s) for p = 2h, 2h + 1 into `a` [slice][mt] and
-// issue their wgmmas on x half h.
-template <typename T, int BT, bool PQ, bool Z>
-__device__ inline void gemm_half(const unsigned char* st, uint32_t x_addr, int h,
-                                 uint32_t (&a)[4][2][4], float (&acc)[2][BT / 2], bool fresh) {
+// Part `part` of a block (kParts parts of 4 / kParts nibble quarters): dequantize its k16 slices
+// (p, s) into `a` [slice][mt] and issue their wgmmas.
+template <typename T, int BT, bool PQ, bool Z, int kParts>
+__device__ inline void gemm_part(const unsigned char* st, uint32_t x_addr, int part,
+                                 uint32_t (&a)[8 / kParts][2][4], float (&acc)[2][BT / 2],
+                                 bool fresh) {
   using S = GemmStage<BT, PQ>;
   constexpr uint32_t kMagic = Dtype<T>::kMagicBits;
+  constexpr int kQuarters = 4 / kParts;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int col = 128 * (threadIdx.x / 128) + 16 * (threadIdx.x / 32 % 4) + 2 * g;  // + 64 mt
 #pragma unroll
@@ -262,13 +299,15 @@ __device__ inline void gemm_half(const unsigned char* st, uint32_t x_addr, int h
     uint2 w[4];  // word rows t + 4j, columns col + 64 mt + (0, 1)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      w[j] = *reinterpret_cast<const uint2*>(st + S::kW + ((t + 4 * j) * kWordStride + col + 64 * mt) * 4);
+      w[j] = *reinterpret_cast<const uint2*>(st + S::kW +
+                                             ((t + 4 * j) * kWordStride + col + 64 * mt) * 4);
     }
 #pragma unroll
-    for (int pp = 0; pp < 2; ++pp) {
-      const int p = 2 * h + pp, q = PQ ? p : 0;
-      const uint32_t s2 = *reinterpret_cast<const uint32_t*>(st + S::kS + (q * kGemmCols + col + 64 * mt) * 2);
-      const uint32_t z2 = Z ? *reinterpret_cast<const uint32_t*>(st + S::kZ + (q * kGemmCols + col + 64 * mt) * 2) : 0u;
+    for (int pp = 0; pp < kQuarters; ++pp) {
+      const int p = kQuarters * part + pp, q = PQ ? p : 0;
+      const int at = (q * kGemmCols + col + 64 * mt) * 2;
+      const uint32_t s2 = *reinterpret_cast<const uint32_t*>(st + S::kS + at);
+      const uint32_t z2 = Z ? *reinterpret_cast<const uint32_t*>(st + S::kZ + at) : 0u;
       uint32_t sc[2], zb[2];  // columns col + e: the scale and MAGIC + z' (odd fp16 p: -(64 + z'))
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -300,11 +339,12 @@ __device__ inline void gemm_half(const unsigned char* st, uint32_t x_addr, int h
     }
   }
 #pragma unroll
-  for (int sl = 0; sl < 4; ++sl) fence_regs(a[sl][0]), fence_regs(a[sl][1]);
+  for (int sl = 0; sl < 8 / kParts; ++sl) fence_regs(a[sl][0]), fence_regs(a[sl][1]);
   wgmma_fence();
 #pragma unroll
-  for (int sl = 0; sl < 4; ++sl) {  // slice (2h + sl / 2, sl % 2): bytes 64 (sl / 2) + 32 (sl % 2)
-    const uint64_t desc = smem_desc(x_addr + h * S::kXHalf + 32 * sl);
+  for (int sl = 0; sl < 8 / kParts; ++sl) {  // slice (p, s): x half p / 2, bytes 64 (p % 2) + 32 s
+    const int p = kQuarters * part + sl / 2, s = sl % 2;
+    const uint64_t desc = smem_desc(x_addr + (p / 2) * S::kXHalf + 64 * (p % 2) + 32 * s);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) Wgmma<T, BT>::run(acc[mt], a[sl][mt], desc, !(fresh && sl == 0));
   }
@@ -340,10 +380,24 @@ __device__ inline void gemm_write(const GemmParams& p, int m0, int n0, const flo
   }
 }
 
-// Value i of this thread's accumulators in workspace slot `cta` (fragment order: coalesced).
+// Values 4v..4v+3 of this thread's accumulators in workspace slot `cta` (16-byte pieces in
+// fragment order: coalesced).
 template <int BT>
-__device__ inline float* gemm_slot(const GemmParams& p, int cta, int i) {
-  return p.workspace + (static_cast<int64_t>(cta) * BT + i) * kGemmThreads + threadIdx.x;
+__device__ inline float* gemm_slot(const GemmParams& p, int cta, int v) {
+  return p.workspace + ((static_cast<int64_t>(cta) * BT / 4 + v) * kGemmThreads + threadIdx.x) * 4;
+}
+__device__ inline void store_slot4(float* at, float a, float b, float c, float d) {
+  asm volatile("st.relaxed.gpu.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(at), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+}
+__device__ inline uint4 load_slot4(const float* at) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(at)
+               : "memory");
+  return v;
 }
 
 // The owner of split tile `tile` adds the other contributors' slots in CTA order as they land,
@@ -351,33 +405,44 @@ __device__ inline float* gemm_slot(const GemmParams& p, int cta, int i) {
 template <int BT>
 __device__ inline void gemm_finish(const GemmParams& p, int tile, float (&acc)[2][BT / 2],
                                    int64_t items, int ctas) {
+  constexpr int kAhead = 8;  // 16-byte reads in flight
   const int first = owner(static_cast<int64_t>(tile) * p.num_blocks, items, ctas);
   const int last = owner(static_cast<int64_t>(tile + 1) * p.num_blocks - 1, items, ctas);
   for (int c = first + 1; c <= last; ++c) {
 #pragma unroll
-    for (int i0 = 0; i0 < BT; i0 += kReadAhead) {
-      uint32_t bits[kReadAhead];
+    for (int v0 = 0; v0 < BT / 4; v0 += kAhead) {
+      uint4 got[kAhead];
 #pragma unroll
-      for (int j = 0; j < kReadAhead; ++j) bits[j] = load_slot(gemm_slot<BT>(p, c, i0 + j));
+      for (int j = 0; j < kAhead; ++j) got[j] = load_slot4(gemm_slot<BT>(p, c, v0 + j));
 #pragma unroll
-      for (int j = 0; j < kReadAhead; ++j) {
-        float* at = gemm_slot<BT>(p, c, i0 + j);
-        while (bits[j] == kEmpty) bits[j] = load_slot(at);
-        acc[(i0 + j) / (BT / 2)][(i0 + j) % (BT / 2)] += __uint_as_float(bits[j]);
-        store_slot(at, __uint_as_float(kEmpty));
+      for (int j = 0; j < kAhead; ++j) {
+        float* at = gemm_slot<BT>(p, c, v0 + j);
+        while (got[j].x == kEmpty || got[j].y == kEmpty || got[j].z == kEmpty ||
+               got[j].w == kEmpty) {
+          got[j] = load_slot4(at);  // a piece may land in parts: poll it whole
+        }
+        const int i = 4 * (v0 + j);  // value i..i+3: accumulator (i / (BT / 2), i % (BT / 2))
+        float* dst = &acc[i / (BT / 2)][i % (BT / 2)];
+        dst[0] += __uint_as_float(got[j].x);
+        dst[1] += __uint_as_float(got[j].y);
+        dst[2] += __uint_as_float(got[j].z);
+        dst[3] += __uint_as_float(got[j].w);
+        const float empty = __uint_as_float(kEmpty);
+        store_slot4(at, empty, empty, empty, empty);
       }
     }
   }
 }
 
 template <typename T, int BT, bool PQ, bool Z>
-__device__ inline void gemm_body(const GemmParams& p) {
+__device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
   using S = GemmStage<BT, PQ>;
   constexpr int kStages = gemm_stages<BT>();
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   const uint32_t raw = smem_addr(gemm_smem);
   unsigned char* ring = gemm_smem + ((1024 - raw % 1024) % 1024);  // swizzle atoms: 1024-aligned
   const uint32_t ring_addr = smem_addr(ring);
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + kStages * S::kBytes);  // per stage
   pdl_launch_dependents();
 
   const int ctas = gridDim.x;
@@ -391,14 +456,19 @@ __device__ inline void gemm_body(const GemmParams& p) {
     m0 = tile % p.tiles_m * BT;
     n0 = tile / p.tiles_m * kGemmCols;
   };
-
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int i = 0; i < kStages; ++i) mbar_init(&full[i]);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the inits, for the copies
+  }
+  __syncthreads();
   // prologue: the first stages' weights before waiting for the previous kernel, then x
 #pragma unroll
   for (int i = 0; i < kStages - 2; ++i) {
     if (i < count) {
       int m0, n0, b;
       where(begin + i, m0, n0, b);
-      gemm_issue<BT, PQ, Z>(p, ring + i * S::kBytes, m0, n0, b, true, false);
+      gemm_issue<BT, PQ, Z>(p, x_map, ring + i * S::kBytes, &full[i], m0, n0, b, true, false);
     }
   }
   pdl_wait();  // x is the previous kernel's output; out and the workspace may be its inputs
@@ -407,37 +477,52 @@ __device__ inline void gemm_body(const GemmParams& p) {
     if (i < count) {
       int m0, n0, b;
       where(begin + i, m0, n0, b);
-      gemm_issue<BT, PQ, Z>(p, ring + i * S::kBytes, m0, n0, b, false, true);
+      gemm_issue<BT, PQ, Z>(p, x_map, ring + i * S::kBytes, &full[i], m0, n0, b, false, true);
     }
-    cp_async_commit();  // one group per item, empty ones too: the waits count groups
   }
 
-  float acc[2][BT / 2];     // written by wgmma only: a tile's first slice overwrites it
-  uint32_t a[2][4][2][4];  // [register set = block half][slice][mt][reg]
+  float acc[2][BT / 2];    // written by wgmma only: a tile's first slice overwrites it
+#ifndef GEMM_PARTS
+#define GEMM_PARTS 2
+#endif
+#ifndef GEMM_PROBE
+#define GEMM_PROBE 0
+#endif
+  constexpr int kParts = GEMM_PARTS;
+  uint32_t a[kParts][8 / kParts][2][4];  // [register set = block part][slice][mt][reg]
   int seg_first = 0;       // the current segment's first block
+  int owned = -1;          // the split tile this CTA finishes
   bool fresh = true;       // the next block starts a segment
-  int owned = -1;       // the split tile this CTA finishes
+#if GEMM_PROBE == 1
+  for (int mt = 0; mt < 2; ++mt)
+    for (int v = 0; v < BT / 2; ++v) acc[mt][v] = 0.f;
+#endif
   for (int i = 0;; ++i) {  // count >= 1 (ctas <= items); the loop ends at a flush (wgmma drained)
-    cp_async_wait<kStages - 3>();  // item i has landed (this thread's copies)
-    fence_proxy_async();
-    __syncthreads();  // ... everyone's; and item i - 2's wgmmas are done in both warpgroups
+    __syncthreads();  // item i - 2's wgmmas are done in both warpgroups: its stage is free
+#if GEMM_PROBE != 2
     if (i + kStages - 2 < count) {
+#else
+    if (false) {
+#endif
+      const int j = i + kStages - 2;
       int m0, n0, b;
-      where(begin + i + kStages - 2, m0, n0, b);
-      gemm_issue<BT, PQ, Z>(p, ring + ((i + kStages - 2) % kStages) * S::kBytes, m0, n0, b, true, true);
+      where(begin + j, m0, n0, b);
+      gemm_issue<BT, PQ, Z>(p, x_map, ring + (j % kStages) * S::kBytes, &full[j % kStages], m0, n0, b, true, true);
     }
-    cp_async_commit();
+    mbar_wait(&full[i % kStages], (i / kStages) & 1);  // item i has landed
     int m0, n0, b;
     where(begin + i, m0, n0, b);
     if (i == 0) seg_first = b;
     const unsigned char* st = ring + (i % kStages) * S::kBytes;
     const uint32_t x_addr = ring_addr + (i % kStages) * S::kBytes;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      wgmma_wait<1>();  // the wgmmas that read register set h (two halves ago) are done
+    for (int h = 0; h < kParts; ++h) {
+      wgmma_wait<kParts - 1>();  // the wgmmas that read register set h (a block ago) are done
 #pragma unroll
-      for (int sl = 0; sl < 4; ++sl) fence_regs(a[h][sl][0]), fence_regs(a[h][sl][1]);
-      gemm_half<T, BT, PQ, Z>(st, x_addr, h, a[h], acc, fresh && h == 0);
+      for (int sl = 0; sl < 8 / kParts; ++sl) fence_regs(a[h][sl][0]), fence_regs(a[h][sl][1]);
+#if GEMM_PROBE != 1
+      gemm_part<T, BT, PQ, Z, kParts>(st, x_addr, h, a[h], acc, fresh && h == 0);
+#endif
     }
     fresh = false;
     if (b == p.num_blocks - 1 || i == count - 1) {  // the segment ends: flush the tile
@@ -452,14 +537,16 @@ __device__ inline void gemm_body(const GemmParams& p) {
         owned = tile;  // the CTA's last segment: finished below
       } else {
 #pragma unroll
-        for (int v = 0; v < BT; ++v) store_slot(gemm_slot<BT>(p, blockIdx.x, v), acc[v / (BT / 2)][v % (BT / 2)]);
+        for (int v = 0; v < BT / 4; ++v) {
+          const float* src = &acc[4 * v / (BT / 2)][4 * v % (BT / 2)];
+          store_slot4(gemm_slot<BT>(p, blockIdx.x, v), src[0], src[1], src[2], src[3]);
+        }
       }
       if (i == count - 1) break;
       fresh = true;
       seg_first = 0;  // later segments start at block 0
     }
   }
-  cp_async_wait<0>();
   if (owned >= 0) {
     int m0, n0, b;
     where(owned * p.num_blocks, m0, n0, b);
@@ -469,11 +556,12 @@ __device__ inline void gemm_body(const GemmParams& p) {
 }
 
 template <typename T, int BT, bool PQ>
-__global__ void __launch_bounds__(kGemmThreads, 1) gptq_gemm_kernel(const GemmParams p) {
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    gptq_gemm_kernel(const GemmParams p, const __grid_constant__ CUtensorMap x_map) {
   if (p.zeros != nullptr) {
-    gemm_body<T, BT, PQ, true>(p);
+    gemm_body<T, BT, PQ, true>(p, &x_map);
   } else {
-    gemm_body<T, BT, PQ, false>(p);
+    gemm_body<T, BT, PQ, false>(p, &x_map);
   }
 }
 

@@ -11,67 +11,11 @@
 #include <mutex>
 #include <utility>
 
+#include "gptq_checks.h"
 #include "gptq_gemv.cuh"
 
 namespace pagedq {
 namespace {
-
-void check_same_device(const at::Tensor& t, const at::Tensor& x, const char* name) {
-  TORCH_CHECK(t.device() == x.device(), "gptq_gemv: ", name, " is on ", t.device(), ", x on ",
-              x.device());
-}
-
-void check_table(const at::Tensor& t, const at::Tensor& x, int64_t n, const char* name) {
-  check_same_device(t, x, name);
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "gptq_gemv: ", name, " is ", t.scalar_type(),
-              ", x is ", x.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.size(1) == n && t.is_contiguous(), "gptq_gemv: ", name,
-              " must be a contiguous [G, ", n, "] tensor, got ", t.sizes());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 8 == 0, "gptq_gemv: ", name,
-              " must be 8-byte aligned");
-}
-
-void check_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                  const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
-                  const at::Tensor& workspace, int64_t group_size) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2, "gptq_gemv: x must be a 2-D CUDA tensor, got ",
-              x.sizes(), " on ", x.device());
-  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
-              "gptq_gemv: x must be float16 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 16, "gptq_gemv: M = ", x.size(0),
-              " rows, the kernel takes 1..16");
-  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && x.size(1) % 8 == 0 &&
-                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
-              "gptq_gemv: x needs unit stride along K, K and the row stride multiples of 8, and a "
-              "16-byte aligned start; got sizes ", x.sizes(), " strides ", x.strides());
-  check_same_device(qweight, x, "qweight");
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2 && qweight.is_contiguous(),
-              "gptq_gemv: qweight must be contiguous 2-D int32");
-  const int64_t n = qweight.size(1);
-  TORCH_CHECK(qweight.size(0) % 16 == 0 && qweight.size(0) * 8 >= x.size(1) &&
-                  qweight.size(0) * 8 < x.size(1) + gptq::kBlockK,
-              "gptq_gemv: qweight ", qweight.sizes(), " does not hold K = ", x.size(1),
-              " rows in 128-row blocks");
-  TORCH_CHECK(n % 8 == 0, "gptq_gemv: N = ", n, " must be a multiple of 8");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0,
-              "gptq_gemv: qweight must be 16-byte aligned");
-  check_table(scales, x, n, "scales");
-  if (zeros.has_value()) {
-    check_table(*zeros, x, n, "zeros");
-    TORCH_CHECK(zeros->size(0) == scales.size(0), "gptq_gemv: zeros and scales differ in groups");
-  }
-  if (bias.has_value()) {
-    check_same_device(*bias, x, "bias");
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->dim() == 1 && bias->size(0) == n &&
-                    bias->is_contiguous(),
-                "gptq_gemv: bias must be a contiguous [", n, "] tensor of x's dtype");
-  }
-  check_same_device(workspace, x, "workspace");
-  TORCH_CHECK(workspace.scalar_type() == at::kInt && workspace.is_contiguous(),
-              "gptq_gemv: workspace must be contiguous int32");
-  TORCH_CHECK(group_size >= 1 && (scales.size(0) == 1 || group_size % 32 == 0),
-              "gptq_gemv: group_size = ", group_size, " must be a multiple of 32");
-}
 
 using KernelFn = void (*)(gptq::Params);
 
@@ -177,7 +121,8 @@ at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
                           const std::optional<at::Tensor>& zeros,
                           const std::optional<at::Tensor>& bias, at::Tensor& workspace,
                           int64_t group_size) {
-  check_inputs(x, qweight, scales, zeros, bias, workspace, group_size);
+  gptq_checks::check_inputs("gptq_gemv", 16, x, qweight, scales, zeros, bias, workspace,
+                            group_size);
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   if (x.scalar_type() == at::kHalf) {
     return run<__half>(x, qweight, scales, zeros, bias, workspace, group_size);

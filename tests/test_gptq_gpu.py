@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedq.gptq.linear import GPTQLinear
-from pagedq.ops.gptq import BACKEND_ENV, gemv_workspace, gptq_matmul_reference, select_path
+from pagedq.ops.gptq import BACKEND_ENV, cuda_workspace, gptq_matmul_reference, select_path
 from tests.test_gptq_linear import make_checkpoint, reference_output
 
 pytestmark = [
@@ -41,7 +41,7 @@ def _check(lin: GPTQLinear, x: torch.Tensor, out: torch.Tensor) -> None:
     err = (out.float() - ref).abs().max().item()
     assert err <= TOLERANCE[x.dtype] * ref.abs().max().item(), err
     assert int(packed.locks.abs().sum()) == 0  # Triton split-K counters reset
-    assert bool(gemv_workspace(x.device).eq(-1).all())  # CUDA split tiles' slots emptied
+    assert bool(cuda_workspace(x.device).eq(-1).all())  # CUDA split tiles' slots emptied
 
 
 def _as_fp32(packed):  # type: ignore[no-untyped-def]
@@ -130,7 +130,7 @@ def test_custom_op_has_a_fake_kernel_and_compiles(layers, monkeypatch) -> None: 
 
     def call(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.pagedq.gptq_gemv(
-            x, packed.qweight, packed.scales, None, None, gemv_workspace(x.device), 128
+            x, packed.qweight, packed.scales, None, None, cuda_workspace(x.device), 128
         )
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -176,11 +176,12 @@ def test_swept_config_variants_match_reference(  # type: ignore[no-untyped-def]
         (1024, 4096, 128, "v1"),  # asymmetric 128-row groups
     ],
 )
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 65, 128, 129, 300])
 def test_cuda_kernel_rows_groups_and_partial_tiles(  # type: ignore[no-untyped-def]
     m, k, n, group_size, zero_mode, dtype, monkeypatch
 ) -> None:
-    """Every token-count variant of the CUDA kernel, both scale modes, zeros, bias, odd shapes."""
+    """Every token-count variant of the CUDA GEMV (M <= 16) and of the wgmma GEMM (both tile
+    heights, partial row tiles), both scale modes, zeros, bias, odd shapes."""
     ck = make_checkpoint(
         seed=m + k + n, k=k, n=n, group_size=group_size, zero_mode=zero_mode,
         desc_act=group_size > 0, bias=True,
@@ -188,12 +189,12 @@ def test_cuda_kernel_rows_groups_and_partial_tiles(  # type: ignore[no-untyped-d
     lin = GPTQLinear([ck.tensors], ck.config, dtype, device="cuda")
     monkeypatch.setenv(BACKEND_ENV, "cuda")
     x = torch.randn(m, k, device="cuda", dtype=dtype)
-    if select_path(x, lin.segment(0)[0]) != "cuda":
-        pytest.skip("CUDA extension unavailable (see the warning)")
+    if select_path(x, lin.segment(0)[0]) != ("cuda" if m <= 16 else "cuda_gemm"):
+        pytest.skip("CUDA extension unavailable (see the warning), or the GEMM needs sm_90")
     out = lin(x)
     ref = reference_output(x.cpu(), [ck])
     assert (out.double().cpu() - ref).abs().max() <= TOLERANCE[dtype] * ref.abs().max()
-    assert bool(gemv_workspace(x.device).eq(-1).all())
+    assert bool(cuda_workspace(x.device).eq(-1).all())
     assert torch.equal(lin(x), out)  # split tiles are summed in a fixed order
 
 

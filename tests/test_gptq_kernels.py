@@ -18,7 +18,13 @@ import torch
 
 from pagedq.errors import ConfigError
 from pagedq.gptq.linear import GPTQLinear
-from pagedq.ops.gptq import BACKEND_ENV, gptq_matmul, select_path
+from pagedq.ops.gptq import (
+    BACKEND_ENV,
+    gemm_tile_tokens,
+    gptq_matmul,
+    select_path,
+    use_cuda_gemm,
+)
 from tests.test_gptq_linear import Checkpoint, make_checkpoint, reference_output
 from triton_kernels import gptq_configs
 
@@ -135,6 +141,15 @@ def test_dispatch_by_backend_and_m(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(BACKEND_ENV, "fast")
     with pytest.raises(ConfigError, match="fast"):
         select_path(x1, packed)
+
+
+def test_cuda_gemm_dispatch_rule() -> None:
+    """`auto` takes the wgmma GEMM above 64 rows on wide layers; 128-row tiles while there are at
+    least 64 tiles (the H200 measurements behind CUDA_GEMM_MIN_M / MIN_N)."""
+    assert use_cuda_gemm(256, 12288) and use_cuda_gemm(65, 22016)
+    assert not use_cuda_gemm(256, 4096) and not use_cuda_gemm(64, 22016)
+    assert gemm_tile_tokens(128, 12288) == 64  # 48 tiles of 128 rows
+    assert gemm_tile_tokens(128, 22016) == 128 and gemm_tile_tokens(256, 12288) == 128
 
 
 @pytest.mark.parametrize("tiles", [1, 3, 128, 384, 2000])

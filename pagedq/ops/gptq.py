@@ -5,20 +5,22 @@ reads. `gptq_matmul_reference` dequantizes it and runs an fp32 matmul: the CPU p
 test oracle. `gptq_matmul` dispatches by `PAGEDQ_GPTQ_BACKEND`, read on every call:
 
 - `torch`: the reference (also what `auto` runs on CPU tensors);
-- `auto` on CUDA tensors, by M = rows of x: the CUDA extension's kernel for M <= SMALL_M_MAX_M
+- `auto` on CUDA tensors, by M = rows of x: the CUDA extension's GEMV for M <= SMALL_M_MAX_M
   (when it applies and built; tensor cores, persistent stream-K grid, see
-  cuda_ext/gptq_gemv.cuh), else the Triton split-K GEMV; the Triton GEMM above SMALL_M_MAX_M;
-- `cuda`: the CUDA kernel whenever it applies (M <= SMALL_M_MAX_M, fp16/bf16, group size a
-  multiple of 32, K a multiple of 8), Triton otherwise or when the extension cannot be built
-  (one notice);
+  cuda_ext/gptq_gemv.cuh), else the Triton split-K GEMV; above SMALL_M_MAX_M on sm_90 the
+  extension's wgmma GEMM where `use_cuda_gemm` says it is faster (cuda_ext/gptq_gemm.cuh),
+  else the Triton GEMM;
+- `cuda`: the CUDA kernels whenever they apply (fp16/bf16, group size a multiple of 32, K a
+  multiple of 8; above SMALL_M_MAX_M only on sm_90), Triton otherwise or when the extension
+  cannot be built (one notice);
 - `triton`: the Triton kernels by M; on CPU tensors they run in the Triton interpreter
   (TRITON_INTERPRET=1 is set for the process if no GPTQ kernel module was imported yet, so
   Triton kernels imported later in the process are interpreted too).
 
 Per call nothing synchronises the host (Python ints, `torch.empty`, launches), so every GPU
 path can be captured in a CUDA graph; the CUDA extension builds on its first call, so run one
-call before capturing. The CUDA kernel's launches on one device share one workspace
-(`gemv_workspace`): run them on one stream at a time, as the engine does.
+call before capturing. The CUDA kernels' launches on one device share one workspace
+(`cuda_workspace`): run them on one stream at a time, as the engine does.
 """
 
 from __future__ import annotations
@@ -43,12 +45,21 @@ BACKENDS = ("auto", "cuda", "triton", "torch")
 # 2.17..2.24; eager calls are host-bound and the CUDA op costs about a fifth of a Triton launch
 # on the host).
 SMALL_M_MAX_M = 16
+# The wgmma GEMM (sm_90) against the Triton GEMM, H200 per-layer µs of the Llama-2-7B stack
+# (bench/results/gptq_w4a_2026-11-30m_notes.md): it wins above 64 rows on layers of at least
+# 8192 columns (qkv 12288: 45 vs 54 at M=128, 67 vs 77 at 256; gate_up 22016: 57 vs 77, 100 vs
+# 115) and loses on the 4096-column ones (o: 43 vs 28 at M=256), whose 16 column tiles are
+# split over too many CTAs; at M=64 Triton wins on qkv (24 vs 30).
+CUDA_GEMM_MIN_M = 65
+CUDA_GEMM_MIN_N = 8192
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # arrival counters of split tiles per weight (>= tiles of any launch)
-# The CUDA kernel's grid is at most one CTA per resident slot: 3 per SM on the H200 (registers),
-# sized here for 4.
-_GEMV_CTAS_PER_SM = 4
+# The CUDA GEMV's grid is at most one CTA per resident slot: 3 per SM on the H200 (registers),
+# sized here for 4; its slots hold SMALL_M_MAX_M x 64 values. The GEMM's: one CTA per SM (shared
+# memory), slots of 256 threads x 128 values.
+_GEMV_SLOT_VALUES = 4 * SMALL_M_MAX_M * 64
+_GEMM_SLOT_VALUES = 256 * 128
 _INTERPRETER_SMS = 4  # "SM count" used to size split-K in the Triton interpreter
 _KERNEL_MODULES = (
     "triton_kernels.gptq_common",
@@ -136,7 +147,7 @@ def make_packed_weight(
     zeros_t = None if bool((zeros == 8).all()) else zeros.to(device=device, dtype=dtype)
     num_locks = max(-(-n // 16), MIN_LOCKS)
     if torch.device(device).type == "cuda":
-        gemv_workspace(torch.device(device))  # made now, not inside a CUDA graph capture
+        cuda_workspace(torch.device(device))  # made now, not inside a CUDA graph capture
     return PackedGPTQWeight(
         qweight=pack_blocks(q).to(device),
         scales=scales.to(device=device, dtype=dtype).contiguous(),
@@ -168,16 +179,31 @@ def gptq_backend() -> str:
 
 
 def select_path(x: torch.Tensor, w: PackedGPTQWeight) -> str:
-    """The kernel `gptq_matmul` runs: 'torch', 'cuda', 'triton_small' or 'triton_large'."""
+    """The kernel `gptq_matmul` runs: 'torch', 'cuda' (the GEMV), 'cuda_gemm', 'triton_small'
+    or 'triton_large'."""
     backend = gptq_backend()
     m = x.numel() // max(int(x.shape[-1]), 1)
     if backend == "torch" or (backend == "auto" and not x.is_cuda):
         return "torch"
     if backend == "cuda" and not x.is_cuda:
         raise ValueError(f"{BACKEND_ENV}=cuda needs CUDA tensors, got x on {x.device}")
-    if backend != "triton" and m <= SMALL_M_MAX_M and _cuda_ext_applies(x, w):
-        return "cuda"
-    return "triton_small" if m <= SMALL_M_MAX_M else "triton_large"
+    if m <= SMALL_M_MAX_M:
+        return "cuda" if backend != "triton" and _cuda_ext_applies(x, w) else "triton_small"
+    wanted = backend == "cuda" or (backend == "auto" and use_cuda_gemm(m, w.out_features))
+    if wanted and _is_sm90(x.device) and _cuda_ext_applies(x, w):
+        return "cuda_gemm"
+    return "triton_large"
+
+
+def use_cuda_gemm(m: int, n: int) -> bool:
+    """`auto`'s choice of the wgmma GEMM over the Triton GEMM for M > SMALL_M_MAX_M (on sm_90)."""
+    return m >= CUDA_GEMM_MIN_M and n >= CUDA_GEMM_MIN_N
+
+
+def gemm_tile_tokens(m: int, n: int) -> int:
+    """Rows per wgmma GEMM tile: 128 when that still gives 64 tiles of 256 columns, else 64
+    (H200: qkv at M=128, 48 tiles of 128 rows, 45 µs with 64-row tiles against 49)."""
+    return 128 if -(-n // 256) * -(-m // 128) >= 64 else 64
 
 
 def gptq_matmul_reference(
@@ -213,8 +239,8 @@ def gptq_matmul(
         x2 = x2.contiguous()
     if x2.shape[0] == 0:
         out = x2.new_empty((0, w.out_features))
-    elif path == "cuda":
-        out = _launch_cuda(x2, w, bias)
+    elif path in ("cuda", "cuda_gemm"):
+        out = _launch_cuda(x2, w, bias, gemm=path == "cuda_gemm")
     else:
         out = _launch_triton(x2, w, bias, small=path == "triton_small")
     return out.reshape(*x.shape[:-1], w.out_features)
@@ -279,36 +305,53 @@ def _launch_triton(
     return out
 
 
-def _launch_cuda(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Run the CUDA extension's kernel (pagedq::gptq_gemv) on x [M, K] (M <= 16) -> [M, N]."""
+def _launch_cuda(
+    x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None, gemm: bool
+) -> torch.Tensor:
+    """Run the CUDA extension's GEMV (pagedq::gptq_gemv, M <= 16) or wgmma GEMM
+    (pagedq::gptq_gemm) on x [M, K] -> [M, N]."""
     if x.data_ptr() % 16 != 0 or x.stride(0) % 8 != 0:  # its 16-byte row copies need both
         x = x.clone(memory_format=torch.contiguous_format)
     if bias is not None:  # every input the op would reject is fixed or refused here
         bias = bias.to(x.dtype).contiguous()
-    return torch.ops.pagedq.gptq_gemv(
-        x, w.qweight, w.scales, w.zeros, bias, gemv_workspace(x.device), w.group_size
-    )
+    ws = cuda_workspace(x.device)
+    if gemm:
+        tile = gemm_tile_tokens(x.shape[0], w.out_features)
+        return torch.ops.pagedq.gptq_gemm(
+            x, w.qweight, w.scales, w.zeros, bias, ws, w.group_size, tile
+        )
+    return torch.ops.pagedq.gptq_gemv(x, w.qweight, w.scales, w.zeros, bias, ws, w.group_size)
 
 
-def gemv_workspace(device: torch.device) -> torch.Tensor:
-    """The CUDA kernel's workspace on `device`: the fp32 partial sums of split tiles, one slot of
-    SMALL_M_MAX_M x 64 values per CTA, all -1 (empty) between launches. One per device, so its
-    launches run one at a time (see cuda_ext/gptq_gemv.cuh)."""
-    return _gemv_workspace(_device_index(device))
+def cuda_workspace(device: torch.device) -> torch.Tensor:
+    """The CUDA kernels' workspace on `device`: the fp32 partial sums of split tiles, one slot per
+    CTA, all -1 (empty) between launches. One per device, shared by the GEMV and the GEMM, so
+    their launches run one at a time (see cuda_ext/gptq_gemv.cuh)."""
+    return _cuda_workspace(_device_index(device))
 
 
 @functools.cache
-def _gemv_workspace(index: int) -> torch.Tensor:
-    size = _cuda_sms(index) * _GEMV_CTAS_PER_SM * SMALL_M_MAX_M * 64
+def _cuda_workspace(index: int) -> torch.Tensor:
+    slot = _GEMM_SLOT_VALUES if _is_sm90(torch.device("cuda", index)) else _GEMV_SLOT_VALUES
+    size = _cuda_sms(index) * max(slot, _GEMV_SLOT_VALUES)
     return torch.full((size,), -1, dtype=torch.int32, device=torch.device("cuda", index))
 
 
+def _is_sm90(device: torch.device) -> bool:
+    """Hopper (compute capability 9.0): the wgmma GEMM's target."""
+    return device.type == "cuda" and _capability(_device_index(device)) == (9, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
 def _cuda_ext_applies(x: torch.Tensor, w: PackedGPTQWeight) -> bool:
-    """The CUDA kernel takes this call (fp16/bf16, 32-row groups, K % 8 == 0) and the extension
+    """The CUDA kernels take this call (fp16/bf16, 32-row groups, K % 8 == 0) and the extension
     loads."""
     if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if x.numel() // w.in_features > SMALL_M_MAX_M:
         return False
     if w.num_groups > 1 and w.group_size % 32 != 0:
         return False
