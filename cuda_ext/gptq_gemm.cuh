@@ -15,10 +15,12 @@
 // word row and one 4-byte store per token.
 //
 // Pipeline. A stage holds one 128-row block: x [BT tokens x 128] as two 128-byte-swizzled halves
-// (the wgmma B operand, K-major), the 16 word rows of the 256 columns, and their scales (and
-// zeros). All 256 threads copy stage i + STAGES - 2 with cp.async while the warpgroups compute
-// stage i; each block is two halves of four k16 slices whose A fragments live in two register
-// sets, so one half's wgmmas run while the next half is dequantized (wgmma.wait_group 1).
+// (the wgmma B operand, K-major; two TMA tensor copies, zeros past M and K), the 16 word rows of
+// the 256 columns and their scales (and zeros), bulk copies counted by the stage's mbarrier. One
+// lane per warp issues a share of stage i + STAGES - 2 while the warpgroups compute stage i (one
+// thread issuing it all made its warpgroup lag: H200 M=256 gate_up 134 vs 145 µs under ncu).
+// Each block is two halves of four k16 slices whose A fragments live in two register sets, so
+// one half's wgmmas run while the next half is dequantized (wgmma.wait_group 1).
 //
 // Work split, as in gptq_gemv.cuh: items are (tile, block) in tile-major order, tiles
 // (column tile, token tile) with the token tiles of a column tile adjacent; the persistent grid
@@ -96,11 +98,6 @@ __device__ inline void fence_regs(uint32_t (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
-// Generic-proxy writes (cp.async) made visible to the async proxy (wgmma reads of B).
-__device__ inline void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // Shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand starting at byte
 // address `addr`: 8-row core groups 1024 bytes apart.
 __device__ inline uint64_t smem_desc(uint32_t addr) {
@@ -482,28 +479,16 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
   }
 
   float acc[2][BT / 2];    // written by wgmma only: a tile's first slice overwrites it
-#ifndef GEMM_PARTS
-#define GEMM_PARTS 2
-#endif
-#ifndef GEMM_PROBE
-#define GEMM_PROBE 0
-#endif
-  constexpr int kParts = GEMM_PARTS;
+  // Two register sets of A fragments (block halves): one half's wgmmas run while the other is
+  // dequantized (H200: four quarter sets were slower, the dequantization is not the wait).
+  constexpr int kParts = 2;
   uint32_t a[kParts][8 / kParts][2][4];  // [register set = block part][slice][mt][reg]
   int seg_first = 0;       // the current segment's first block
   int owned = -1;          // the split tile this CTA finishes
   bool fresh = true;       // the next block starts a segment
-#if GEMM_PROBE == 1
-  for (int mt = 0; mt < 2; ++mt)
-    for (int v = 0; v < BT / 2; ++v) acc[mt][v] = 0.f;
-#endif
   for (int i = 0;; ++i) {  // count >= 1 (ctas <= items); the loop ends at a flush (wgmma drained)
     __syncthreads();  // item i - 2's wgmmas are done in both warpgroups: its stage is free
-#if GEMM_PROBE != 2
     if (i + kStages - 2 < count) {
-#else
-    if (false) {
-#endif
       const int j = i + kStages - 2;
       int m0, n0, b;
       where(begin + j, m0, n0, b);
@@ -520,9 +505,7 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
       wgmma_wait<kParts - 1>();  // the wgmmas that read register set h (a block ago) are done
 #pragma unroll
       for (int sl = 0; sl < 8 / kParts; ++sl) fence_regs(a[h][sl][0]), fence_regs(a[h][sl][1]);
-#if GEMM_PROBE != 1
       gemm_part<T, BT, PQ, Z, kParts>(st, x_addr, h, a[h], acc, fresh && h == 0);
-#endif
     }
     fresh = false;
     if (b == p.num_blocks - 1 || i == count - 1) {  // the segment ends: flush the tile
