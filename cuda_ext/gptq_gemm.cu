@@ -39,7 +39,7 @@ int resident_ctas(GemmFn kernel, size_t smem, int device) {
                                       static_cast<int>(smem)));
   int per_sm = 0, sms = 0;
   C10_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gptq::kGemmThreads, smem));
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gptq::kGemmBlock, smem));
   TORCH_CHECK(per_sm > 0, "gptq_gemm: the kernel does not fit on device ", device);
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   cache.emplace(key, per_sm * sms);
@@ -110,7 +110,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
 
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(ctas));
-  config.blockDim = dim3(gptq::kGemmThreads);
+  config.blockDim = dim3(gptq::kGemmBlock);
   config.dynamicSmemBytes = smem;
   config.stream = c10::cuda::getCurrentCUDAStream();
   cudaLaunchAttribute pdl[1];

@@ -14,13 +14,16 @@
 // row g + 8 is column 16w + 2g + 1, so a lane's two columns are one 8-byte shared-memory read per
 // word row and one 4-byte store per token.
 //
-// Pipeline. A stage holds one 128-row block: x [BT tokens x 128] as two 128-byte-swizzled halves
-// (the wgmma B operand, K-major; two TMA tensor copies, zeros past M and K), the 16 word rows of
-// the 256 columns and their scales (and zeros), bulk copies counted by the stage's mbarrier. One
-// lane per warp issues a share of stage i + STAGES - 2 while the warpgroups compute stage i (one
-// thread issuing it all made its warpgroup lag: H200 M=256 gate_up 134 vs 145 µs under ncu).
-// Each block is two halves of four k16 slices whose A fragments live in two register sets, so
-// one half's wgmmas run while the next half is dequantized (wgmma.wait_group 1).
+// Pipeline, warp-specialized. A stage holds one 128-row block: x [BT tokens x 128] as two
+// 128-byte-swizzled halves (the wgmma B operand, K-major; two TMA tensor copies, zeros past M and
+// K), the 16 word rows of the 256 columns and their scales (and zeros). A producer warpgroup
+// (one thread issues; 40 registers) fills the stages with bulk copies counted in bytes by each
+// stage's `full` mbarrier; the two consumer warpgroups (232 registers) wait on it, compute, and
+// release the stage through its `empty` mbarrier once the wgmmas that read it are done. No CTA
+// barrier in the loop, so the warpgroups drift apart and one's wgmmas cover the other's
+// dequantization (H200, M=256 gate_up: 84 µs; 102 with every thread copying and a barrier per
+// block). Each block is two halves of four k16 slices whose A fragments live in two register
+// sets, so one half's wgmmas run while the next half is dequantized (wgmma.wait_group 1).
 //
 // Work split, as in gptq_gemv.cuh: items are (tile, block) in tile-major order, tiles
 // (column tile, token tile) with the token tiles of a column tile adjacent; the persistent grid
@@ -37,7 +40,9 @@
 namespace pagedq {
 namespace gptq {
 
-constexpr int kGemmThreads = 256;           // two warpgroups
+constexpr int kGemmThreads = 256;           // the two consumer warpgroups
+constexpr int kProducerThreads = 128;       // the producer warpgroup (one thread copies)
+constexpr int kGemmBlock = kProducerThreads + kGemmThreads;
 constexpr int kGemmCols = 256;              // output columns per tile
 constexpr int kWordStride = kGemmCols + 8;  // words per smem word row: 8-byte reads spread banks
 
@@ -72,8 +77,13 @@ struct GemmStage {
 };
 
 template <int BT, bool PQ>
-constexpr size_t gemm_smem_bytes() {  // the stages, their mbarriers, and room to align
-  return static_cast<size_t>(GemmStage<BT, PQ>::kBytes + 8) * gemm_stages<BT>() + 1024;
+constexpr size_t gemm_smem_bytes() {  // the stages, their two mbarriers, and room to align
+  return static_cast<size_t>(GemmStage<BT, PQ>::kBytes + 16) * gemm_stages<BT>() + 1024;
+}
+
+// This thread's index among the consumer warpgroups' threads.
+__device__ inline int consumer_thread() {
+  return static_cast<int>(threadIdx.x) - kProducerThreads;
 }
 
 // --- wgmma (sm_90a)
@@ -206,13 +216,17 @@ struct Wgmma<__nv_bfloat16, 128> {
 };
 // --- stage copies: bulk copies whose completion the stage's mbarrier counts in bytes
 
-__device__ inline void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
 __device__ inline void mbar_expect(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
                "r"(bytes)
                : "memory");
+}
+__device__ inline void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+__device__ inline void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 __device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
@@ -247,36 +261,34 @@ __device__ inline uint32_t stage_bytes(const GemmParams& p, int n0) {
 }
 
 // Issue block b of tile (m0, n0) into stage `st`: the weights, scales and zeros (with_w), and/or
-// x (with_x). Called by every thread: lane 0 of each warp issues its share (warp w: word rows 2w
-// and 2w + 1; warp 0 also arms the barrier, warp 1 the scales and zeros, warps 2 and 3 the x
-// halves), so no warp lags its warpgroup. Columns past N are not copied (never stored).
+// x (with_x). One thread (the producer) issues them all. Columns past N are not copied (their
+// sums are never stored).
 template <int BT, bool PQ, bool Z>
 __device__ inline void gemm_issue(const GemmParams& p, const void* x_map, unsigned char* st,
                                   uint64_t* bar, int m0, int n0, int b, bool with_w, bool with_x) {
   using S = GemmStage<BT, PQ>;
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 != 0) return;
   const int cols = p.N - n0 < kGemmCols ? p.N - n0 : kGemmCols;
-  if (with_w && warp == 0) mbar_expect(bar, stage_bytes<BT, PQ, Z>(p, n0));
   if (with_w) {
-    const int32_t* w = p.qweight + (static_cast<int64_t>(b) * 16 + 2 * warp) * p.N + n0;
-    bulk_copy(st + S::kW + 2 * warp * kWordStride * 4, w, cols * 4, bar);
-    bulk_copy(st + S::kW + (2 * warp + 1) * kWordStride * 4, w + p.N, cols * 4, bar);
-    if (warp == 1) {
+    mbar_expect(bar, stage_bytes<BT, PQ, Z>(p, n0));
+    const int32_t* w = p.qweight + static_cast<int64_t>(b) * 16 * p.N + n0;
+#pragma unroll 4
+    for (int r = 0; r < 16; ++r) {
+      bulk_copy(st + S::kW + r * kWordStride * 4, w + r * p.N, cols * 4, bar);
+    }
 #pragma unroll
-      for (int q = 0; q < S::kQ; ++q) {
-        const int64_t at = group_row(p, b, q) * p.N + n0;
-        bulk_copy(st + S::kS + q * kGemmCols * 2, static_cast<const uint16_t*>(p.scales) + at,
+    for (int q = 0; q < S::kQ; ++q) {
+      const int64_t at = group_row(p, b, q) * p.N + n0;
+      bulk_copy(st + S::kS + q * kGemmCols * 2, static_cast<const uint16_t*>(p.scales) + at,
+                cols * 2, bar);
+      if constexpr (Z) {
+        bulk_copy(st + S::kZ + q * kGemmCols * 2, static_cast<const uint16_t*>(p.zeros) + at,
                   cols * 2, bar);
-        if constexpr (Z) {
-          bulk_copy(st + S::kZ + q * kGemmCols * 2, static_cast<const uint16_t*>(p.zeros) + at,
-                    cols * 2, bar);
-        }
       }
     }
   }
-  if (with_x && (warp == 2 || warp == 3)) {
-    tensor_copy(st + (warp - 2) * S::kXHalf, x_map, b * kBlockK + 64 * (warp - 2), m0, bar);
+  if (with_x) {
+    tensor_copy(st, x_map, b * kBlockK, m0, bar);
+    tensor_copy(st + S::kXHalf, x_map, b * kBlockK + 64, m0, bar);
   }
 }
 
@@ -289,8 +301,8 @@ __device__ inline void gemm_part(const unsigned char* st, uint32_t x_addr, int p
   using S = GemmStage<BT, PQ>;
   constexpr uint32_t kMagic = Dtype<T>::kMagicBits;
   constexpr int kQuarters = 4 / kParts;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int col = 128 * (threadIdx.x / 128) + 16 * (threadIdx.x / 32 % 4) + 2 * g;  // + 64 mt
+  const int c = consumer_thread(), lane = c % 32, g = lane / 4, t = lane % 4;
+  const int col = 128 * (c / 128) + 16 * (c / 32 % 4) + 2 * g;  // + 64 mt
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
     uint2 w[4];  // word rows t + 4j, columns col + 64 mt + (0, 1)
@@ -352,8 +364,8 @@ __device__ inline void gemm_part(const unsigned char* st, uint32_t x_addr, int p
 // for tokens 8j + 2t (+ 1).
 template <typename T, int BT>
 __device__ inline void gemm_write(const GemmParams& p, int m0, int n0, const float (&acc)[2][BT / 2]) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int col0 = n0 + 128 * (threadIdx.x / 128) + 16 * (threadIdx.x / 32 % 4) + 2 * g;
+  const int c = consumer_thread(), lane = c % 32, g = lane / 4, t = lane % 4;
+  const int col0 = n0 + 128 * (c / 128) + 16 * (c / 32 % 4) + 2 * g;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
     const int col = col0 + 64 * mt;
@@ -381,7 +393,8 @@ __device__ inline void gemm_write(const GemmParams& p, int m0, int n0, const flo
 // fragment order: coalesced).
 template <int BT>
 __device__ inline float* gemm_slot(const GemmParams& p, int cta, int v) {
-  return p.workspace + ((static_cast<int64_t>(cta) * BT / 4 + v) * kGemmThreads + threadIdx.x) * 4;
+  return p.workspace +
+         ((static_cast<int64_t>(cta) * BT / 4 + v) * kGemmThreads + consumer_thread()) * 4;
 }
 __device__ inline void store_slot4(float* at, float a, float b, float c, float d) {
   asm volatile("st.relaxed.gpu.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(at), "f"(a), "f"(b),
@@ -439,8 +452,8 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
   const uint32_t raw = smem_addr(gemm_smem);
   unsigned char* ring = gemm_smem + ((1024 - raw % 1024) % 1024);  // swizzle atoms: 1024-aligned
   const uint32_t ring_addr = smem_addr(ring);
-  uint64_t* full = reinterpret_cast<uint64_t*>(ring + kStages * S::kBytes);  // per stage
-  pdl_launch_dependents();
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + kStages * S::kBytes);  // item landed
+  uint64_t* empty = full + kStages;  // stage consumed by both warpgroups (a lane per warp)
 
   const int ctas = gridDim.x;
   const int items = p.tiles_n * p.tiles_m * p.num_blocks;  // < 2^31 (checked at launch)
@@ -455,45 +468,50 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
   };
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int i = 0; i < kStages; ++i) mbar_init(&full[i]);
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], 2 * kWarps);
+    }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the inits, for the copies
   }
   __syncthreads();
-  // prologue: the first stages' weights before waiting for the previous kernel, then x
-#pragma unroll
-  for (int i = 0; i < kStages - 2; ++i) {
-    if (i < count) {
-      int m0, n0, b;
-      where(begin + i, m0, n0, b);
-      gemm_issue<BT, PQ, Z>(p, x_map, ring + i * S::kBytes, &full[i], m0, n0, b, true, false);
+  pdl_launch_dependents();
+
+  if (threadIdx.x < kProducerThreads) {  // --- the producer warpgroup: one thread copies
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (threadIdx.x == 0) {
+      const int first = count < kStages ? count : kStages;
+      for (int j = 0; j < first; ++j) {  // weights before waiting for the previous kernel
+        int m0, n0, b;
+        where(begin + j, m0, n0, b);
+        gemm_issue<BT, PQ, Z>(p, x_map, ring + j * S::kBytes, &full[j], m0, n0, b, true, false);
+      }
+      pdl_wait();  // x is the previous kernel's output
+      for (int j = 0; j < count; ++j) {
+        int m0, n0, b;
+        where(begin + j, m0, n0, b);
+        const int st = j % kStages;
+        if (j >= kStages) mbar_wait(&empty[st], (j / kStages - 1) & 1);  // its last use is done
+        gemm_issue<BT, PQ, Z>(p, x_map, ring + st * S::kBytes, &full[st], m0, n0, b,
+                              j >= kStages, true);
+      }
     }
-  }
-  pdl_wait();  // x is the previous kernel's output; out and the workspace may be its inputs
-#pragma unroll
-  for (int i = 0; i < kStages - 2; ++i) {
-    if (i < count) {
-      int m0, n0, b;
-      where(begin + i, m0, n0, b);
-      gemm_issue<BT, PQ, Z>(p, x_map, ring + i * S::kBytes, &full[i], m0, n0, b, false, true);
-    }
+    return;
   }
 
+  // --- the consumer warpgroups
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  pdl_wait();  // out and the workspace may be the previous kernel's inputs
   float acc[2][BT / 2];    // written by wgmma only: a tile's first slice overwrites it
   // Two register sets of A fragments (block halves): one half's wgmmas run while the other is
-  // dequantized (H200: four quarter sets were slower, the dequantization is not the wait).
+  // dequantized (H200: four quarter sets were slower).
   constexpr int kParts = 2;
   uint32_t a[kParts][8 / kParts][2][4];  // [register set = block part][slice][mt][reg]
   int seg_first = 0;       // the current segment's first block
   int owned = -1;          // the split tile this CTA finishes
   bool fresh = true;       // the next block starts a segment
+  const bool releaser = consumer_thread() % 32 == 0;
   for (int i = 0;; ++i) {  // count >= 1 (ctas <= items); the loop ends at a flush (wgmma drained)
-    __syncthreads();  // item i - 2's wgmmas are done in both warpgroups: its stage is free
-    if (i + kStages - 2 < count) {
-      const int j = i + kStages - 2;
-      int m0, n0, b;
-      where(begin + j, m0, n0, b);
-      gemm_issue<BT, PQ, Z>(p, x_map, ring + (j % kStages) * S::kBytes, &full[j % kStages], m0, n0, b, true, true);
-    }
     mbar_wait(&full[i % kStages], (i / kStages) & 1);  // item i has landed
     int m0, n0, b;
     where(begin + i, m0, n0, b);
@@ -503,6 +521,7 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
 #pragma unroll
     for (int h = 0; h < kParts; ++h) {
       wgmma_wait<kParts - 1>();  // the wgmmas that read register set h (a block ago) are done
+      if (h == kParts - 1 && i > 0 && releaser) mbar_arrive(&empty[(i - 1) % kStages]);
 #pragma unroll
       for (int sl = 0; sl < 8 / kParts; ++sl) fence_regs(a[h][sl][0]), fence_regs(a[h][sl][1]);
       gemm_part<T, BT, PQ, Z, kParts>(st, x_addr, h, a[h], acc, fresh && h == 0);
@@ -539,7 +558,7 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
 }
 
 template <typename T, int BT, bool PQ>
-__global__ void __launch_bounds__(kGemmThreads, 1)
+__global__ void __launch_bounds__(kGemmBlock, 1)
     gptq_gemm_kernel(const GemmParams p, const __grid_constant__ CUtensorMap x_map) {
   if (p.zeros != nullptr) {
     gemm_body<T, BT, PQ, true>(p, &x_map);

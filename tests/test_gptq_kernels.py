@@ -144,11 +144,13 @@ def test_dispatch_by_backend_and_m(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cuda_gemm_dispatch_rule() -> None:
-    """`auto` takes the wgmma GEMM above 64 rows on wide layers; 128-row tiles while there are at
-    least 64 tiles (the H200 measurements behind CUDA_GEMM_MIN_M / MIN_N)."""
-    assert use_cuda_gemm(256, 12288) and use_cuda_gemm(65, 22016)
-    assert not use_cuda_gemm(256, 4096) and not use_cuda_gemm(64, 22016)
-    assert gemm_tile_tokens(128, 12288) == 64  # 48 tiles of 128 rows
+    """`auto` takes the wgmma GEMM above 64 rows on wide layers (from 32 on the widest);
+    128-row tiles above 64 rows while there are at least 64 tiles (the H200 measurements behind
+    the CUDA_GEMM_* thresholds)."""
+    assert use_cuda_gemm(256, 12288) and use_cuda_gemm(65, 12288) and use_cuda_gemm(32, 22016)
+    assert not use_cuda_gemm(256, 4096) and not use_cuda_gemm(64, 12288)
+    assert not use_cuda_gemm(31, 22016)
+    assert gemm_tile_tokens(64, 22016) == 64 and gemm_tile_tokens(128, 12288) == 64
     assert gemm_tile_tokens(128, 22016) == 128 and gemm_tile_tokens(256, 12288) == 128
 
 

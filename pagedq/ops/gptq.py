@@ -47,11 +47,14 @@ BACKENDS = ("auto", "cuda", "triton", "torch")
 SMALL_M_MAX_M = 16
 # The wgmma GEMM (sm_90) against the Triton GEMM, H200 per-layer µs of the Llama-2-7B stack
 # (bench/results/gptq_w4a_2026-11-30m_notes.md): it wins above 64 rows on layers of at least
-# 8192 columns (qkv 12288: 45 vs 54 at M=128, 67 vs 77 at 256; gate_up 22016: 57 vs 77, 100 vs
-# 115) and loses on the 4096-column ones (o: 43 vs 28 at M=256), whose 16 column tiles are
-# split over too many CTAs; at M=64 Triton wins on qkv (24 vs 30).
+# 8192 columns (qkv 12288: 46 vs 54 at M=128, 62 vs 77 at 256; gate_up 22016: 51 vs 77, 84 vs
+# 115) and from 32 rows on layers of at least 16384 (gate_up at M=64: 36 vs 43), and loses on
+# the 4096-column ones (o: 43 vs 28 at M=256), whose 16 column tiles are split over too many
+# CTAs; at M=64 Triton wins on qkv (24 vs 26).
 CUDA_GEMM_MIN_M = 65
 CUDA_GEMM_MIN_N = 8192
+CUDA_GEMM_WIDE_N = 16384  # from CUDA_GEMM_WIDE_MIN_M rows
+CUDA_GEMM_WIDE_MIN_M = 32
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # arrival counters of split tiles per weight (>= tiles of any launch)
@@ -197,13 +200,16 @@ def select_path(x: torch.Tensor, w: PackedGPTQWeight) -> str:
 
 def use_cuda_gemm(m: int, n: int) -> bool:
     """`auto`'s choice of the wgmma GEMM over the Triton GEMM for M > SMALL_M_MAX_M (on sm_90)."""
+    if n >= CUDA_GEMM_WIDE_N:
+        return m >= CUDA_GEMM_WIDE_MIN_M
     return m >= CUDA_GEMM_MIN_M and n >= CUDA_GEMM_MIN_N
 
 
 def gemm_tile_tokens(m: int, n: int) -> int:
-    """Rows per wgmma GEMM tile: 128 when that still gives 64 tiles of 256 columns, else 64
-    (H200: qkv at M=128, 48 tiles of 128 rows, 45 µs with 64-row tiles against 49)."""
-    return 128 if -(-n // 256) * -(-m // 128) >= 64 else 64
+    """Rows per wgmma GEMM tile: 64 up to 64 rows; above, 128 when that still gives 64 tiles of
+    256 columns, else 64 (H200: qkv at M=128, 48 tiles of 128 rows, 45 µs with 64-row tiles
+    against 49)."""
+    return 128 if m > 64 and -(-n // 256) * -(-m // 128) >= 64 else 64
 
 
 def gptq_matmul_reference(
