@@ -20,10 +20,9 @@ from pagedq.errors import ConfigError
 from pagedq.gptq.linear import GPTQLinear
 from pagedq.ops.gptq import (
     BACKEND_ENV,
-    gemm_tile_tokens,
+    gemm_tile_for,
     gptq_matmul,
     select_path,
-    use_cuda_gemm,
 )
 from tests.test_gptq_linear import Checkpoint, make_checkpoint, reference_output
 from triton_kernels import gptq_configs
@@ -144,14 +143,14 @@ def test_dispatch_by_backend_and_m(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cuda_gemm_dispatch_rule() -> None:
-    """`auto` takes the wgmma GEMM above 64 rows on wide layers (from 32 on the widest);
-    128-row tiles above 64 rows while there are at least 64 tiles (the H200 measurements behind
-    the CUDA_GEMM_* thresholds)."""
-    assert use_cuda_gemm(256, 12288) and use_cuda_gemm(65, 12288) and use_cuda_gemm(32, 22016)
-    assert not use_cuda_gemm(256, 4096) and not use_cuda_gemm(64, 12288)
-    assert not use_cuda_gemm(31, 22016)
-    assert gemm_tile_tokens(64, 22016) == 64 and gemm_tile_tokens(128, 12288) == 64
-    assert gemm_tile_tokens(128, 22016) == 128 and gemm_tile_tokens(256, 12288) == 128
+    """`auto` takes the wgmma GEMM where its grid gets 16 items per SM, with 128-row tiles where
+    they still do (the H200 measurements behind the rule; Llama-2-7B shapes, 132 SMs)."""
+    qkv, o, gate_up, down = (12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)
+    assert gemm_tile_for(256, *qkv, sms=132) == 128 and gemm_tile_for(256, *down, sms=132) == 128
+    assert gemm_tile_for(256, *o, sms=132) == 0  # 15.5 items per SM even with 64-row tiles
+    assert gemm_tile_for(128, *qkv, sms=132) == 64 and gemm_tile_for(128, *gate_up, sms=132) == 128
+    assert gemm_tile_for(64, *gate_up, sms=132) == 64 and gemm_tile_for(64, *qkv, sms=132) == 0
+    assert gemm_tile_for(31, *gate_up, sms=132) == 0  # below CUDA_GEMM_MIN_M
 
 
 @pytest.mark.parametrize("tiles", [1, 3, 128, 384, 2000])

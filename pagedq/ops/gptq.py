@@ -8,7 +8,7 @@ test oracle. `gptq_matmul` dispatches by `PAGEDQ_GPTQ_BACKEND`, read on every ca
 - `auto` on CUDA tensors, by M = rows of x: the CUDA extension's GEMV for M <= SMALL_M_MAX_M
   (when it applies and built; tensor cores, persistent stream-K grid, see
   cuda_ext/gptq_gemv.cuh), else the Triton split-K GEMV; above SMALL_M_MAX_M on sm_90 the
-  extension's wgmma GEMM where `use_cuda_gemm` says it is faster (cuda_ext/gptq_gemm.cuh),
+  extension's wgmma GEMM where `cuda_gemm_tile` says it is faster (cuda_ext/gptq_gemm.cuh),
   else the Triton GEMM;
 - `cuda`: the CUDA kernels whenever they apply (fp16/bf16, group size a multiple of 32, K a
   multiple of 8; above SMALL_M_MAX_M only on sm_90), Triton otherwise or when the extension
@@ -45,16 +45,15 @@ BACKENDS = ("auto", "cuda", "triton", "torch")
 # 2.17..2.24; eager calls are host-bound and the CUDA op costs about a fifth of a Triton launch
 # on the host).
 SMALL_M_MAX_M = 16
-# The wgmma GEMM (sm_90) against the Triton GEMM, H200 per-layer µs of the Llama-2-7B stack
-# (bench/results/gptq_w4a_2026-11-30m_notes.md): it wins above 64 rows on layers of at least
-# 8192 columns (qkv 12288: 46 vs 54 at M=128, 62 vs 77 at 256; gate_up 22016: 51 vs 77, 84 vs
-# 115) and from 32 rows on layers of at least 16384 (gate_up at M=64: 36 vs 43), and loses on
-# the 4096-column ones (o: 43 vs 28 at M=256), whose 16 column tiles are split over too many
-# CTAs; at M=64 Triton wins on qkv (24 vs 26).
-CUDA_GEMM_MIN_M = 65
-CUDA_GEMM_MIN_N = 8192
-CUDA_GEMM_WIDE_N = 16384  # from CUDA_GEMM_WIDE_MIN_M rows
-CUDA_GEMM_WIDE_MIN_M = 32
+# `auto` takes the wgmma GEMM (sm_90) over the Triton GEMM from CUDA_GEMM_MIN_M rows when its
+# stream-K grid gets at least CUDA_GEMM_MIN_ITEMS_PER_SM (tile, 128-row block) items per SM, with
+# 128-row tiles where they still give that many, else 64-row ones. With fewer, each tile is split
+# over several CTAs and the split's fix-up costs more than the GEMM gains. H200 per-layer µs of
+# the Llama-2-7B stack (bench/results/gptq_w4a_2026-11-30m_notes.md), GEMM against Triton:
+# wins at 20.8+ items per SM (gate_up at M=64: 36 vs 43; down at M=256: 58 vs 62; qkv at M=256:
+# 62 vs 77), loses at 15.5 and below (o at M=256: 29.5 vs 28.4; qkv at M=64: 26 vs 24).
+CUDA_GEMM_MIN_M = 32
+CUDA_GEMM_MIN_ITEMS_PER_SM = 16
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # arrival counters of split tiles per weight (>= tiles of any launch)
@@ -192,24 +191,27 @@ def select_path(x: torch.Tensor, w: PackedGPTQWeight) -> str:
         raise ValueError(f"{BACKEND_ENV}=cuda needs CUDA tensors, got x on {x.device}")
     if m <= SMALL_M_MAX_M:
         return "cuda" if backend != "triton" and _cuda_ext_applies(x, w) else "triton_small"
-    wanted = backend == "cuda" or (backend == "auto" and use_cuda_gemm(m, w.out_features))
-    if wanted and _is_sm90(x.device) and _cuda_ext_applies(x, w):
-        return "cuda_gemm"
-    return "triton_large"
+    if backend == "triton" or not _is_sm90(x.device):
+        return "triton_large"
+    wanted = backend == "cuda" or cuda_gemm_tile(m, w.out_features, w.in_features, x.device) > 0
+    return "cuda_gemm" if wanted and _cuda_ext_applies(x, w) else "triton_large"
 
 
-def use_cuda_gemm(m: int, n: int) -> bool:
-    """`auto`'s choice of the wgmma GEMM over the Triton GEMM for M > SMALL_M_MAX_M (on sm_90)."""
-    if n >= CUDA_GEMM_WIDE_N:
-        return m >= CUDA_GEMM_WIDE_MIN_M
-    return m >= CUDA_GEMM_MIN_M and n >= CUDA_GEMM_MIN_N
+def cuda_gemm_tile(m: int, n: int, k: int, device: torch.device) -> int:
+    """Rows per tile of the wgmma GEMM for x [m, k] @ W^T [k, n] (128 or 64), or 0 where `auto`
+    runs the Triton GEMM instead (see CUDA_GEMM_MIN_ITEMS_PER_SM)."""
+    return gemm_tile_for(m, n, k, _num_sms(device))
 
 
-def gemm_tile_tokens(m: int, n: int) -> int:
-    """Rows per wgmma GEMM tile: 64 up to 64 rows; above, 128 when that still gives 64 tiles of
-    256 columns, else 64 (H200: qkv at M=128, 48 tiles of 128 rows, 45 µs with 64-row tiles
-    against 49)."""
-    return 128 if m > 64 and -(-n // 256) * -(-m // 128) >= 64 else 64
+def gemm_tile_for(m: int, n: int, k: int, sms: int) -> int:
+    """`cuda_gemm_tile` on a GPU with `sms` SMs."""
+    if m < CUDA_GEMM_MIN_M:
+        return 0
+    for tile in (128, 64) if m > 64 else (64,):
+        items = -(-n // 256) * -(-m // tile) * -(-k // BLOCK_K)
+        if items >= CUDA_GEMM_MIN_ITEMS_PER_SM * sms:
+            return tile
+    return 0
 
 
 def gptq_matmul_reference(
@@ -321,8 +323,11 @@ def _launch_cuda(
     if bias is not None:  # every input the op would reject is fixed or refused here
         bias = bias.to(x.dtype).contiguous()
     ws = cuda_workspace(x.device)
-    if gemm:
-        tile = gemm_tile_tokens(x.shape[0], w.out_features)
+    if gemm:  # forced by PAGEDQ_GPTQ_BACKEND=cuda where auto would not: 64-row tiles up to 64
+        m = x.shape[0]
+        tile = cuda_gemm_tile(m, w.out_features, w.in_features, x.device) or (
+            64 if m <= 64 else 128
+        )
         return torch.ops.pagedq.gptq_gemm(
             x, w.qweight, w.scales, w.zeros, bias, ws, w.group_size, tile
         )
