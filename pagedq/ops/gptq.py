@@ -323,11 +323,9 @@ def _launch_cuda(
     if bias is not None:  # every input the op would reject is fixed or refused here
         bias = bias.to(x.dtype).contiguous()
     ws = cuda_workspace(x.device)
-    if gemm:  # forced by PAGEDQ_GPTQ_BACKEND=cuda where auto would not: 64-row tiles up to 64
-        m = x.shape[0]
-        tile = cuda_gemm_tile(m, w.out_features, w.in_features, x.device) or (
-            64 if m <= 64 else 128
-        )
+    if gemm:  # forced by PAGEDQ_GPTQ_BACKEND=cuda where auto would not: 64-row tiles (more
+        # items per SM; H200 o at M=128: 27 µs against 53 with 128-row tiles)
+        tile = cuda_gemm_tile(x.shape[0], w.out_features, w.in_features, x.device) or 64
         return torch.ops.pagedq.gptq_gemm(
             x, w.qweight, w.scales, w.zeros, bias, ws, w.group_size, tile
         )
