@@ -46,6 +46,7 @@ constexpr int kGemmBlock = kProducerThreads + kGemmThreads;
 constexpr int kGemmCols = 256;              // output columns per tile
 constexpr int kWordStride = kGemmCols + 8;  // words per smem word row: 8-byte reads spread banks
 
+// Pipeline stages: as many as fit in shared memory (a 128-token stage is 50-53 KB, 64: 34-37 KB).
 template <int BT>
 __host__ __device__ constexpr int gemm_stages() {
   return BT > 64 ? 4 : 6;
