@@ -232,9 +232,12 @@ def test_cuda_kernel_takes_unaligned_rows_and_chains_in_a_graph(layers, monkeypa
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_engine_with_the_cuda_kernel_matches_cpu(tmp_path, dtype) -> None:  # type: ignore[no-untyped-def]
-    """A pagedq-quantized model in the engine on CUDA (decode batches of 4 take the CUDA kernel)
-    gives the greedy tokens of the fp32 CPU reference, up to near-ties."""
+@pytest.mark.parametrize("backend", ["auto", "cuda"])
+def test_engine_with_the_cuda_kernel_matches_cpu(tmp_path, dtype, backend, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A pagedq-quantized model in the engine on CUDA (decode batches of 4 take the CUDA GEMV;
+    with the cuda backend, prefills of more than 16 tokens take the wgmma GEMM on sm_90) gives the
+    greedy tokens of the fp32 CPU reference, up to near-ties."""
+    monkeypatch.delenv(BACKEND_ENV, raising=False)  # the CPU reference runs on `auto`
     from pagedq import LLM, SamplingParams
     from pagedq.gptq.quantizer import QuantizeOptions, quantize_model
     from tests.tiny_models import make_tiny_llama
@@ -247,6 +250,7 @@ def test_engine_with_the_cuda_kernel_matches_cpu(tmp_path, dtype) -> None:  # ty
     prompts = [[5, 9, 33, 2 + i, 100 + 7 * i] * (1 + i) for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
     cpu = LLM(str(gptq_dir), device="cpu", num_blocks=64).generate(prompts, params, use_tqdm=False)
+    monkeypatch.setenv(BACKEND_ENV, backend)
     gpu = LLM(str(gptq_dir), device="cuda", dtype=dtype, num_blocks=64).generate(
         prompts, params, use_tqdm=False
     )
