@@ -186,6 +186,10 @@ def host_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (64, 86, [396, 256, 320, 5504]),  # down 11008 -> 4096
         (1, 1, [1]),
         (3, 5, [1, 2, 4, 7, 14, 15]),
+        # the wgmma GEMM's grids (one CTA per SM; tiles of 256 columns x 64 or 128 rows)
+        (172, 32, [132]),  # gate_up at M=256, 128-row tiles
+        (64, 32, [132]),  # o at M=256, 64-row tiles (forced)
+        (32, 86, [132]),  # down at M=256, 128-row tiles
     ],
 )
 def test_cuda_kernel_work_split_on_host(
