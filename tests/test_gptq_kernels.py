@@ -149,8 +149,8 @@ def test_cuda_gemm_dispatch_rule() -> None:
     assert gemm_tile_for(256, *qkv, sms=132) == 128 and gemm_tile_for(256, *down, sms=132) == 128
     assert gemm_tile_for(256, *o, sms=132) == 0  # 15.5 items per SM even with 64-row tiles
     assert gemm_tile_for(128, *qkv, sms=132) == 64 and gemm_tile_for(128, *gate_up, sms=132) == 128
-    assert gemm_tile_for(64, *gate_up, sms=132) == 64 and gemm_tile_for(64, *qkv, sms=132) == 0
-    assert gemm_tile_for(31, *gate_up, sms=132) == 0  # below CUDA_GEMM_MIN_M
+    assert gemm_tile_for(128, *down, sms=132) == 64 and gemm_tile_for(128, *o, sms=132) == 0
+    assert gemm_tile_for(64, *gate_up, sms=132) == 0  # below CUDA_GEMM_MIN_M
 
 
 @pytest.mark.parametrize("tiles", [1, 3, 128, 384, 2000])

@@ -52,7 +52,10 @@ SMALL_M_MAX_M = 16
 # the Llama-2-7B stack (bench/results/gptq_w4a_2026-11-30m_notes.md), GEMM against Triton:
 # wins at 20.8+ items per SM (gate_up at M=64: 36 vs 43; down at M=256: 58 vs 62; qkv at M=256:
 # 62 vs 77), loses at 15.5 and below (o at M=256: 29.5 vs 28.4; qkv at M=64: 26 vs 24).
-CUDA_GEMM_MIN_M = 32
+# Up to 64 rows only gate_up qualifies, and its 7 µs gain went to the switches between the two
+# kernels (PDL overlaps neither): M=64 stack 3.377 ms with it, 3.357 all on Triton, same run
+# (gptq_w4a_2026-11-30o); hence from 65 rows.
+CUDA_GEMM_MIN_M = 65
 CUDA_GEMM_MIN_ITEMS_PER_SM = 16
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
