@@ -20,6 +20,7 @@ import re
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -93,28 +94,9 @@ def _build(capability: tuple[int, int]) -> None:
 def _register_fakes() -> None:
     """Shape-only kernels for torch.compile / meta tensors."""
 
-    def gptq_gemv_fake(
-        x: torch.Tensor,
-        qweight: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        workspace: torch.Tensor,
-        group_size: int,
-    ) -> torch.Tensor:
+    def out_like(x: torch.Tensor, qweight: torch.Tensor, *rest: Any) -> torch.Tensor:
+        """Both ops return [M, N] in x's dtype (x [M, K], qweight [Kp/8, N])."""
         return x.new_empty((x.shape[0], qweight.shape[1]))
 
-    def gptq_gemm_fake(
-        x: torch.Tensor,
-        qweight: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        workspace: torch.Tensor,
-        group_size: int,
-        tile_tokens: int,
-    ) -> torch.Tensor:
-        return x.new_empty((x.shape[0], qweight.shape[1]))
-
-    torch.library.register_fake("pagedq::gptq_gemv", gptq_gemv_fake)
-    torch.library.register_fake("pagedq::gptq_gemm", gptq_gemm_fake)
+    for op in ("gptq_gemv", "gptq_gemm"):
+        torch.library.register_fake(f"pagedq::{op}", out_like)
