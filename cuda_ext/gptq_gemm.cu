@@ -1,18 +1,13 @@
 // Torch-facing wrapper of the GPTQ wgmma GEMM (Hopper, sm_90a): checks, the activations' tensor
 // map, persistent grid size, PDL launch on the current stream.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <utility>
 
-#include "gptq_checks.h"
+#include "gptq_host.h"
 #include "gptq_gemm.cuh"
 
 namespace pagedq {
@@ -24,26 +19,6 @@ template <typename T, int BT>
 std::pair<GemmFn, size_t> gemm_variant(bool per_quarter) {
   if (per_quarter) return {gptq::gptq_gemm_kernel<T, BT, true>, gptq::gemm_smem_bytes<BT, true>()};
   return {gptq::gptq_gemm_kernel<T, BT, false>, gptq::gemm_smem_bytes<BT, false>()};
-}
-
-// Resident CTAs of `kernel` on `device` (the persistent grid: CTAs wait for each other at split
-// tiles, so the grid must fit on the GPU at once), computed once per (kernel, device).
-int resident_ctas(GemmFn kernel, size_t smem, int device) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> cache;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  int per_sm = 0, sms = 0;
-  C10_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gptq::kGemmBlock, smem));
-  TORCH_CHECK(per_sm > 0, "gptq_gemm: the kernel does not fit on device ", device);
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  cache.emplace(key, per_sm * sms);
-  return per_sm * sms;
 }
 
 // x [M, K] as the kernel's tensor map: boxes of 64 k x BT rows, 128-byte swizzle, zeros outside.
@@ -91,34 +66,15 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;
   const auto [kernel, smem] = bt == 64 ? gemm_variant<T, 64>(per_quarter)
                                        : gemm_variant<T, 128>(per_quarter);
-  const int ctas =
-      static_cast<int>(std::min<int64_t>(resident_ctas(kernel, smem, device), items));
+  const int resident = gptq_host::resident_ctas(
+      "gptq_gemm", reinterpret_cast<const void*>(kernel), gptq::kGemmBlock, smem, device);
+  const int ctas = static_cast<int>(std::min<int64_t>(resident, items));
   const int64_t slots = int64_t{ctas} * gptq::kGemmThreads * bt;
   TORCH_CHECK(workspace.numel() >= slots, "gptq_gemm: ", ctas, " CTAs x ", gptq::kGemmThreads,
               " threads x ", bt, " values need a workspace of ", slots, ", got ",
               workspace.numel());
-  at::Tensor out = at::empty({p.M, p.N}, x.options());
-  p.x = x.data_ptr();
-  p.x_stride = x.stride(0);
-  p.qweight = qweight.data_ptr<int32_t>();
-  p.scales = scales.data_ptr();
-  p.zeros = zeros.has_value() ? zeros->data_ptr() : nullptr;
-  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
-  p.out = out.data_ptr();
-  p.workspace = reinterpret_cast<float*>(workspace.data_ptr<int32_t>());
-  const CUtensorMap map = x_tensor_map(x, bt);
-
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(ctas));
-  config.blockDim = dim3(gptq::kGemmBlock);
-  config.dynamicSmemBytes = smem;
-  config.stream = c10::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = pdl;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, map));
+  at::Tensor out = gptq_host::bind(p, x, qweight, scales, zeros, bias, workspace);
+  gptq_host::launch(kernel, ctas, gptq::kGemmBlock, smem, true, p, x_tensor_map(x, bt));
   return out;
 }
 
@@ -129,16 +85,14 @@ at::Tensor gptq_gemm_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
                           const std::optional<at::Tensor>& zeros,
                           const std::optional<at::Tensor>& bias, at::Tensor& workspace,
                           int64_t group_size, int64_t tile_tokens) {
-  gptq_checks::check_inputs("gptq_gemm", int64_t{1} << 30, x, qweight, scales, zeros, bias,
-                            workspace, group_size);
+  gptq_host::check_inputs("gptq_gemm", int64_t{1} << 30, x, qweight, scales, zeros, bias,
+                          workspace, group_size);
   TORCH_CHECK(tile_tokens == 64 || tile_tokens == 128, "gptq_gemm: tile_tokens = ", tile_tokens,
               ", the kernel has tiles of 64 or 128 tokens");
   const c10::cuda::OptionalCUDAGuard guard(x.device());
-  int major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.device().index()));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.device().index()));
-  TORCH_CHECK(major == 9 && minor == 0, "gptq_gemm: needs an sm_90 GPU (wgmma), device ",
-              x.device(), " is sm_", major, minor);
+  const int sm = gptq_host::capability(x.device().index());
+  TORCH_CHECK(sm == 90, "gptq_gemm: needs an sm_90 GPU (wgmma), device ", x.device(), " is sm_",
+              sm);
   const int bt = static_cast<int>(tile_tokens);
   if (x.scalar_type() == at::kHalf) {
     return run<__half>(x, qweight, scales, zeros, bias, workspace, group_size, bt);

@@ -1,17 +1,12 @@
 // Torch-facing wrapper of the GPTQ small-M kernel: checks, device guard, persistent grid size,
 // PDL launch on the current stream.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <utility>
 
-#include "gptq_checks.h"
+#include "gptq_host.h"
 #include "gptq_gemv.cuh"
 
 namespace pagedq {
@@ -39,33 +34,6 @@ std::pair<KernelFn, size_t> variant(int tokens, bool per_quarter) {
   return {kernel_for_tok<T, 16>(per_quarter), smem_for_tok<16>(per_quarter)};
 }
 
-struct Launch {
-  int ctas;  // resident CTAs on the whole device: the persistent grid (CTAs of one launch wait
-            // for each other at split tiles, so the grid must fit on the GPU at once)
-  bool pdl;  // programmatic dependent launch (Hopper and newer)
-};
-
-// How `kernel` launches on `device`, computed once per (kernel, device).
-Launch launch_for(KernelFn kernel, size_t smem, int device) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, Launch> cache;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  int per_sm = 0, sms = 0, major = 0;
-  C10_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gptq::kThreads, smem));
-  TORCH_CHECK(per_sm > 0, "gptq_gemv: the kernel does not fit on device ", device);
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  const Launch launch{per_sm * sms, major >= 9};
-  cache.emplace(key, launch);
-  return launch;
-}
-
 template <typename T>
 at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
@@ -82,35 +50,18 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;
   const auto [kernel, smem] = variant<T>(p.M, per_quarter);
   const int64_t items = static_cast<int64_t>(p.tiles) * p.num_blocks;
-  const Launch launch = launch_for(kernel, smem, device);
+  const int resident = gptq_host::resident_ctas(
+      "gptq_gemv", reinterpret_cast<const void*>(kernel), gptq::kThreads, smem, device);
   const int ctas = static_cast<int>(
-      std::min<int64_t>({launch.ctas, items, int64_t{gptq::kMaxSharers} * p.tiles}));
+      std::min<int64_t>({resident, items, int64_t{gptq::kMaxSharers} * p.tiles}));
 
   const int64_t slots = int64_t{ctas} * p.M * gptq::kTileN;
   TORCH_CHECK(workspace.numel() >= slots, "gptq_gemv: ", ctas, " CTAs x ", p.M, " rows x ",
               gptq::kTileN, " columns need a workspace of ", slots, " values, got ",
               workspace.numel());
-  at::Tensor out = at::empty({p.M, p.N}, x.options());
-  p.x = x.data_ptr();
-  p.x_stride = x.stride(0);
-  p.qweight = qweight.data_ptr<int32_t>();
-  p.scales = scales.data_ptr();
-  p.zeros = zeros.has_value() ? zeros->data_ptr() : nullptr;
-  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
-  p.out = out.data_ptr();
-  p.workspace = reinterpret_cast<float*>(workspace.data_ptr<int32_t>());
-
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(ctas));
-  config.blockDim = dim3(gptq::kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = c10::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = pdl;
-  config.numAttrs = launch.pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  at::Tensor out = gptq_host::bind(p, x, qweight, scales, zeros, bias, workspace);
+  const bool pdl = gptq_host::capability(device) >= 90;  // programmatic dependent launch
+  gptq_host::launch(kernel, ctas, gptq::kThreads, smem, pdl, p);
   return out;
 }
 
@@ -121,8 +72,8 @@ at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
                           const std::optional<at::Tensor>& zeros,
                           const std::optional<at::Tensor>& bias, at::Tensor& workspace,
                           int64_t group_size) {
-  gptq_checks::check_inputs("gptq_gemv", 16, x, qweight, scales, zeros, bias, workspace,
-                            group_size);
+  gptq_host::check_inputs("gptq_gemv", 16, x, qweight, scales, zeros, bias, workspace,
+                          group_size);
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   if (x.scalar_type() == at::kHalf) {
     return run<__half>(x, qweight, scales, zeros, bias, workspace, group_size);

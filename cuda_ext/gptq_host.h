@@ -1,15 +1,22 @@
-// Input checks shared by the torch wrappers of the GPTQ ops (gptq_gemv.cu, gptq_gemm.cu): each
-// failure names the op, the value and the limit.
+// Host-side pieces shared by the torch wrappers of the GPTQ ops (gptq_gemv.cu, gptq_gemm.cu):
+// input checks (each failure names the op, the value and the limit), the persistent grid size,
+// binding the op's tensors to the kernel's parameters, and the launch.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <utility>
 
 namespace pagedq {
-namespace gptq_checks {
+namespace gptq_host {
 
 constexpr int64_t kBlockK = 128;  // input rows per packed block
 
@@ -78,5 +85,74 @@ inline void check_inputs(const char* op, int64_t max_m, const at::Tensor& x,
               ": group_size = ", group_size, " must be a multiple of 32");
 }
 
-}  // namespace gptq_checks
+// Compute capability of `device` as major * 10 + minor, found once per device.
+inline int capability(int device) {
+  static std::mutex mutex;
+  static std::map<int, int> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return cache.emplace(device, major * 10 + minor).first->second;
+}
+
+// Resident CTAs of `kernel` on the whole of `device`: the persistent grid (CTAs of one launch
+// wait for each other at split tiles, so the grid must fit on the GPU at once). Found once per
+// (kernel, device).
+inline int resident_ctas(const char* op, const void* kernel, int threads, size_t smem,
+                         int device) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  int per_sm = 0, sms = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  TORCH_CHECK(per_sm > 0, op, ": the kernel does not fit on device ", device);
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return cache.emplace(key, per_sm * sms).first->second;
+}
+
+// Point the kernel parameters' tensor fields at the op's tensors and a new out [M, N]; returns
+// out. P: gptq::Params or gptq::GemmParams.
+template <typename P>
+at::Tensor bind(P& p, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
+                at::Tensor& workspace) {
+  at::Tensor out = at::empty({x.size(0), qweight.size(1)}, x.options());
+  p.x = x.data_ptr();
+  p.x_stride = x.stride(0);
+  p.qweight = qweight.data_ptr<int32_t>();
+  p.scales = scales.data_ptr();
+  p.zeros = zeros.has_value() ? zeros->data_ptr() : nullptr;
+  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.workspace = reinterpret_cast<float*>(workspace.data_ptr<int32_t>());
+  return out;
+}
+
+// Launch `kernel` on the current stream, as a programmatic dependent launch when `pdl` (sm_90+:
+// the kernels let the next launch start early and wait for the previous one themselves).
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), int ctas, int threads, size_t smem, bool pdl,
+            Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = smem;
+  config.stream = c10::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace gptq_host
 }  // namespace pagedq
