@@ -35,6 +35,8 @@
 
 #include <cuda.h>  // CUtensorMap (a kernel parameter type; no driver calls here)
 
+#include <type_traits>
+
 #include "gptq_gemv.cuh"
 
 namespace pagedq {
@@ -120,96 +122,58 @@ __device__ inline uint64_t smem_desc(uint32_t addr) {
 #define PAGEDQ_WGMMA
 #endif
 
+// The operand lists of wgmma m64nNk16 with f32 accumulators: N / 2 per thread.
+#define PAGEDQ_ACC8(d, i)                                                                    \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define PAGEDQ_ACC32(d) PAGEDQ_ACC8(d, 0), PAGEDQ_ACC8(d, 8), PAGEDQ_ACC8(d, 16), PAGEDQ_ACC8(d, 24)
+#define PAGEDQ_ACC64(d) \
+  PAGEDQ_ACC32(d), PAGEDQ_ACC8(d, 32), PAGEDQ_ACC8(d, 40), PAGEDQ_ACC8(d, 48), PAGEDQ_ACC8(d, 56)
+#define PAGEDQ_REGS32                                                                            \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define PAGEDQ_REGS64                                                                            \
+  PAGEDQ_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
+                "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
+                "%62, %63"
+// acc (+)= A B: A from registers a[0..3], B from descriptor b; the predicate from `keep` picks
+// accumulate (1) or overwrite (0). REGS / A / B / KEEP name the operands' PTX numbers.
+#define PAGEDQ_WGMMA_RS(SHAPE, TYPE, REGS, A, B, KEEP, ACC)                                  \
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, " KEEP ", 0; wgmma.mma_async.sync.aligned." SHAPE \
+               ".f32." TYPE "." TYPE " {" REGS "}, {" A "}, " B ", p, 1, 1, 0; }"          \
+               : ACC                                                                       \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(keep))
+
 // acc (+)= A B; keep = 0: acc = A B (the first k16 slice of a tile).
 template <typename T, int BT>
 struct Wgmma;
-template <>
-struct Wgmma<__half, 64> {
+template <typename T>
+struct Wgmma<T, 64> {
   __device__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t keep) {
 #ifdef PAGEDQ_WGMMA
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(keep));
+    if constexpr (std::is_same_v<T, __half>) {
+      PAGEDQ_WGMMA_RS("m64n64k16", "f16", PAGEDQ_REGS32, "%32, %33, %34, %35", "%36", "%37",
+                      PAGEDQ_ACC32(d));
+    } else {
+      PAGEDQ_WGMMA_RS("m64n64k16", "bf16", PAGEDQ_REGS32, "%32, %33, %34, %35", "%36", "%37",
+                      PAGEDQ_ACC32(d));
+    }
 #else
     __trap();
 #endif
   }
 };
-template <>
-struct Wgmma<__nv_bfloat16, 64> {
-  __device__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t keep) {
-#ifdef PAGEDQ_WGMMA
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(keep));
-#else
-    __trap();
-#endif
-  }
-};
-template <>
-struct Wgmma<__half, 128> {
+template <typename T>
+struct Wgmma<T, 128> {
   __device__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, uint32_t keep) {
 #ifdef PAGEDQ_WGMMA
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(keep));
-#else
-    __trap();
-#endif
-  }
-};
-template <>
-struct Wgmma<__nv_bfloat16, 128> {
-  __device__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, uint32_t keep) {
-#ifdef PAGEDQ_WGMMA
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(keep));
+    if constexpr (std::is_same_v<T, __half>) {
+      PAGEDQ_WGMMA_RS("m64n128k16", "f16", PAGEDQ_REGS64, "%64, %65, %66, %67", "%68", "%69",
+                      PAGEDQ_ACC64(d));
+    } else {
+      PAGEDQ_WGMMA_RS("m64n128k16", "bf16", PAGEDQ_REGS64, "%64, %65, %66, %67", "%68", "%69",
+                      PAGEDQ_ACC64(d));
+    }
 #else
     __trap();
 #endif
@@ -364,7 +328,8 @@ __device__ inline void gemm_part(const unsigned char* st, uint32_t x_addr, int p
 // Store the tile's sums (+ bias) to out: lane (g, t) holds columns col, col + 1 (A rows g, g + 8)
 // for tokens 8j + 2t (+ 1).
 template <typename T, int BT>
-__device__ inline void gemm_write(const GemmParams& p, int m0, int n0, const float (&acc)[2][BT / 2]) {
+__device__ inline void gemm_write(const GemmParams& p, int m0, int n0,
+                                  const float (&acc)[2][BT / 2]) {
   const int c = consumer_thread(), lane = c % 32, g = lane / 4, t = lane % 4;
   const int col0 = n0 + 128 * (c / 128) + 16 * (c / 32 % 4) + 2 * g;
 #pragma unroll
@@ -384,7 +349,8 @@ __device__ inline void gemm_write(const GemmParams& p, int m0, int n0, const flo
         if (m >= p.M) continue;
         const uint32_t lo = Dtype<T>::from_float(acc[mt][4 * i + e] + b0);
         const uint32_t hi = Dtype<T>::from_float(acc[mt][4 * i + 2 + e] + b1);
-        *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + static_cast<int64_t>(m) * p.N + col) = lo | (hi << 16);
+        uint16_t* at = static_cast<uint16_t*>(p.out) + static_cast<int64_t>(m) * p.N + col;
+        *reinterpret_cast<uint32_t*>(at) = lo | (hi << 16);
       }
     }
   }
