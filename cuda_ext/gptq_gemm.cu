@@ -68,7 +68,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
                                        : gemm_variant<T, 128>(per_quarter);
   const int resident = gptq_host::resident_ctas(
       "gptq_gemm", reinterpret_cast<const void*>(kernel), gptq::kGemmBlock, smem, device);
-  const int ctas = static_cast<int>(std::min<int64_t>(resident, items));
+  const int ctas = gptq::gemm_grid(int64_t{p.tiles_m} * p.tiles_n, p.num_blocks, resident, p.split);
   const int64_t slots = int64_t{ctas} * gptq::kGemmThreads * bt;
   TORCH_CHECK(workspace.numel() >= slots, "gptq_gemm: ", ctas, " CTAs x ", gptq::kGemmThreads,
               " threads x ", bt, " values need a workspace of ", slots, ", got ",
