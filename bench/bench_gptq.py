@@ -98,8 +98,8 @@ def with_backend(name: str, fn: Callable[[], Any]) -> Any:
 
 def path_sweep(weights: list[PackedGPTQWeight], nbytes: int, repeats: int) -> list[dict[str, Any]]:
     """Graph and eager time of the stack per path and M, to set the dispatch thresholds:
-    SMALL_M_MAX_M (the CUDA GEMV against Triton) and the wgmma GEMM's rule (`cuda_gemm_tile`;
-    here it runs every layer, the rule picks per layer)."""
+    SMALL_M_MAX_M (the CUDA GEMV against Triton) and the wgmma GEMM against the Triton GEMM
+    above it (`cuda_gemm_tile` picks each layer's tile)."""
     paths: dict[str, Callable[..., torch.Tensor]] = {
         "cuda": lambda x, w: ops._launch_cuda(x, w, None, gemm=False),
         "cuda_gemm": lambda x, w: ops._launch_cuda(x, w, None, gemm=True),

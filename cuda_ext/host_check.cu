@@ -10,12 +10,17 @@
 // - no CTA writes two partial tiles (so slot cta is enough: the workspace has ctas slots);
 // - each 8-lane phase of a warp's 16-byte ring reads hits 8 distinct 16-byte bank groups.
 // Prints "ok" and exits 0, or names the first violation and exits 1.
+//
+// `host_check grid TILES BLOCKS RESIDENT` prints the wgmma GEMM's grid (gemm_grid in
+// gptq_gemm.cuh) as "CTAS SPLIT", after checking that each CTA of an exact split works in its
+// own tile only.
 #include <cstdio>
 #include <cstdlib>
 #include <set>
+#include <string>
 #include <vector>
 
-#include "gptq_gemv.cuh"
+#include "gptq_gemm.cuh"  // and gptq_gemv.cuh
 
 namespace {
 
@@ -117,8 +122,23 @@ int check_banks() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 5 && std::string(argv[1]) == "grid") {  // the wgmma GEMM's grid: "CTAS SPLIT"
+    int split = 0;
+    const int64_t tiles = std::atoll(argv[2]);
+    const int num_blocks = std::atoi(argv[3]);
+    const int ctas = pagedq::gptq::gemm_grid(tiles, num_blocks, std::atoi(argv[4]), split);
+    const int64_t items = tiles * num_blocks;
+    for (int c = 0; c < ctas && split > 0; ++c) {  // an exact split: CTA c holds part of tile c / k
+      const int64_t begin = c * items / ctas, end = (c + 1) * items / ctas;
+      if (begin >= end || begin / num_blocks != c / split || (end - 1) / num_blocks != c / split) {
+        return fail("exact split: a CTA outside its tile", c, begin, end);
+      }
+    }
+    std::printf("%d %d\n", ctas, split);
+    return 0;
+  }
   if (argc < 4) {
-    std::printf("usage: host_check TILES NUM_BLOCKS CTAS...\n");
+    std::printf("usage: host_check TILES NUM_BLOCKS CTAS... | host_check grid TILES BLOCKS RESIDENT\n");
     return 2;
   }
   const int tiles = std::atoi(argv[1]), num_blocks = std::atoi(argv[2]);

@@ -20,6 +20,7 @@ from pagedq.errors import ConfigError
 from pagedq.gptq.linear import GPTQLinear
 from pagedq.ops.gptq import (
     BACKEND_ENV,
+    gemm_grid,
     gemm_tile_for,
     gptq_matmul,
     select_path,
@@ -142,15 +143,17 @@ def test_dispatch_by_backend_and_m(monkeypatch: pytest.MonkeyPatch) -> None:
         select_path(x1, packed)
 
 
-def test_cuda_gemm_dispatch_rule() -> None:
-    """`auto` takes the wgmma GEMM where its grid gets 16 items per SM, with 128-row tiles where
-    they still do (the H200 measurements behind the rule; Llama-2-7B shapes, 132 SMs)."""
+def test_cuda_gemm_tile_rule() -> None:
+    """The wgmma GEMM's tile height: 64 rows up to M=64, then the cost model's pick, which is
+    the faster tile in every H200 measurement it was fitted to (Llama-2-7B shapes, 132 SMs)."""
     qkv, o, gate_up, down = (12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)
-    assert gemm_tile_for(256, *qkv, sms=132) == 128 and gemm_tile_for(256, *down, sms=132) == 128
-    assert gemm_tile_for(256, *o, sms=132) == 0  # 15.5 items per SM even with 64-row tiles
-    assert gemm_tile_for(128, *qkv, sms=132) == 64 and gemm_tile_for(128, *gate_up, sms=132) == 128
-    assert gemm_tile_for(128, *down, sms=132) == 64 and gemm_tile_for(128, *o, sms=132) == 0
-    assert gemm_tile_for(64, *gate_up, sms=132) == 0  # below CUDA_GEMM_MIN_M
+    for m in (17, 64):
+        assert {gemm_tile_for(m, *shape, sms=132) for shape in (qkv, o, gate_up, down)} == {64}
+    for m in (96, 128, 192):  # measured: qkv 37 vs 39, o 18 vs 20, gate_up 49 vs 59 ... at 128
+        assert gemm_tile_for(m, *qkv, sms=132) == 64 and gemm_tile_for(m, *o, sms=132) == 64
+        assert gemm_tile_for(m, *gate_up, sms=132) == 128
+        assert gemm_tile_for(m, *down, sms=132) == 128
+    assert {gemm_tile_for(256, *shape, sms=132) for shape in (qkv, o, gate_up, down)} == {128}
 
 
 @pytest.mark.parametrize("tiles", [1, 3, 128, 384, 2000])
@@ -189,7 +192,8 @@ def host_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
         # the wgmma GEMM's grids (one CTA per SM; tiles of 256 columns x 64 or 128 rows)
         (172, 32, [132]),  # gate_up at M=256, 128-row tiles
         (64, 32, [132]),  # o at M=256, 64-row tiles (forced)
-        (32, 86, [132]),  # down at M=256, 128-row tiles
+        (32, 86, [132, 128]),  # down at M=256, 128-row tiles (stream-K; exact split in 4)
+        (16, 32, [128]),  # o at M=128, 128-row tiles: an exact split in 8
     ],
 )
 def test_cuda_kernel_work_split_on_host(
@@ -201,6 +205,26 @@ def test_cuda_kernel_work_split_on_host(
     args = [str(host_check), str(tiles), str(num_blocks), *map(str, ctas)]
     done = subprocess.run(args, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout
+
+
+@pytest.mark.parametrize(
+    ("tiles", "num_blocks", "resident"),
+    [(32, 86, 132), (16, 32, 132), (96, 32, 132), (172, 32, 132), (1, 1, 132), (3, 5, 132),
+     (7, 1000, 132), (64, 3, 132), (45, 32, 100)],
+)  # fmt: skip
+def test_gemm_grid_matches_the_kernel_host_code(
+    host_check: Path, tiles: int, num_blocks: int, resident: int
+) -> None:
+    """`gemm_grid` (which the tile rule models) is the grid the op launches: the same CTAs and
+    split as gemm_grid in gptq_gemm.cuh, and an exact split's CTAs each stay in one tile."""
+    done = subprocess.run(
+        [str(host_check), "grid", str(tiles), str(num_blocks), str(resident)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout
+    ctas, split = gemm_grid(tiles, num_blocks, resident)
+    assert done.stdout.split() == [str(ctas), str(split)]
+    assert ctas <= resident and (split == 0 or ctas == split * tiles)
 
 
 # --- the Triton kernels through the real compiler (sm_90), no GPU needed ------------------

@@ -8,8 +8,8 @@ test oracle. `gptq_matmul` dispatches by `PAGEDQ_GPTQ_BACKEND`, read on every ca
 - `auto` on CUDA tensors, by M = rows of x: the CUDA extension's GEMV for M <= SMALL_M_MAX_M
   (when it applies and built; tensor cores, persistent stream-K grid, see
   cuda_ext/gptq_gemv.cuh), else the Triton split-K GEMV; above SMALL_M_MAX_M on sm_90 the
-  extension's wgmma GEMM where `cuda_gemm_tile` says it is faster (cuda_ext/gptq_gemm.cuh),
-  else the Triton GEMM;
+  extension's wgmma GEMM (cuda_ext/gptq_gemm.cuh; tile height from `cuda_gemm_tile`), else
+  the Triton GEMM;
 - `cuda`: the CUDA kernels whenever they apply (fp16/bf16, group size a multiple of 32, K a
   multiple of 8; above SMALL_M_MAX_M only on sm_90), Triton otherwise or when the extension
   cannot be built (one notice);
@@ -45,18 +45,16 @@ BACKENDS = ("auto", "cuda", "triton", "torch")
 # 2.17..2.24; eager calls are host-bound and the CUDA op costs about a fifth of a Triton launch
 # on the host).
 SMALL_M_MAX_M = 16
-# `auto` takes the wgmma GEMM (sm_90) over the Triton GEMM from CUDA_GEMM_MIN_M rows when its
-# stream-K grid gets at least CUDA_GEMM_MIN_ITEMS_PER_SM (tile, 128-row block) items per SM, with
-# 128-row tiles where they still give that many, else 64-row ones. With fewer, each tile is split
-# over several CTAs and the split's fix-up costs more than the GEMM gains. H200 per-layer µs of
-# the Llama-2-7B stack (bench/results/gptq_w4a_2026-11-30m_notes.md), GEMM against Triton:
-# wins at 20.8+ items per SM (gate_up at M=64: 36 vs 43; down at M=256: 58 vs 62; qkv at M=256:
-# 62 vs 77), loses at 15.5 and below (o at M=256: 29.5 vs 28.4; qkv at M=64: 26 vs 24).
-# Up to 64 rows only gate_up qualifies, and its 7 µs gain went to the switches between the two
-# kernels (PDL overlaps neither): M=64 stack 3.377 ms with it, 3.357 all on Triton, same run
-# (gptq_w4a_2026-11-30o); hence from 65 rows.
-CUDA_GEMM_MIN_M = 65
-CUDA_GEMM_MIN_ITEMS_PER_SM = 16
+# Above SMALL_M_MAX_M on sm_90, `auto` runs the wgmma GEMM for every layer: H200 per-layer µs of
+# the Llama-2-7B stack, best tile against the Triton GEMM (gptq_w4a_2026-11-30p_notes.md):
+# M=17..64: qkv 24 vs 24, o 14 vs 13, gate_up 34 vs 43-45, down 22 vs 24 (one o on Triton
+# would cost more in switches between the kernels than it gains); M=128: 37 / 18 / 49 / 31 vs
+# 54 / 21 / 78 / 43; M=256: 54 / 25 / 88 / 48 vs 77 / 28 / 126 / 60.
+# Its tile height (64 or 128 rows) comes from a cost model of one launch, fitted to those
+# measurements at M = 64..256 (it picks the faster tile in all 16 cases): per tile height, µs
+# per 128-row block of a CTA's share, fixed, times (k - 1) / k for an exact split in k parts,
+# and per contributor of a stream-K tile (see `gemm_grid`).
+_GEMM_COST = {64: (1.29, 4.09, 4.53, 1.72), 128: (1.73, 7.99, 4.68, 3.77)}
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # arrival counters of split tiles per weight (>= tiles of any launch)
@@ -196,25 +194,40 @@ def select_path(x: torch.Tensor, w: PackedGPTQWeight) -> str:
         return "cuda" if backend != "triton" and _cuda_ext_applies(x, w) else "triton_small"
     if backend == "triton" or not _is_sm90(x.device):
         return "triton_large"
-    wanted = backend == "cuda" or cuda_gemm_tile(m, w.out_features, w.in_features, x.device) > 0
-    return "cuda_gemm" if wanted and _cuda_ext_applies(x, w) else "triton_large"
+    return "cuda_gemm" if _cuda_ext_applies(x, w) else "triton_large"
 
 
 def cuda_gemm_tile(m: int, n: int, k: int, device: torch.device) -> int:
-    """Rows per tile of the wgmma GEMM for x [m, k] @ W^T [k, n] (128 or 64), or 0 where `auto`
-    runs the Triton GEMM instead (see CUDA_GEMM_MIN_ITEMS_PER_SM)."""
+    """Rows per tile (64 or 128) of the wgmma GEMM for x [m, k] @ W^T [k, n] on `device`."""
     return gemm_tile_for(m, n, k, _num_sms(device))
 
 
 def gemm_tile_for(m: int, n: int, k: int, sms: int) -> int:
-    """`cuda_gemm_tile` on a GPU with `sms` SMs."""
-    if m < CUDA_GEMM_MIN_M:
-        return 0
-    for tile in (128, 64) if m > 64 else (64,):
-        items = -(-n // 256) * -(-m // tile) * -(-k // BLOCK_K)
-        if items >= CUDA_GEMM_MIN_ITEMS_PER_SM * sms:
-            return tile
-    return 0
+    """`cuda_gemm_tile` on a GPU with `sms` SMs (one CTA each): the tile the cost model
+    `_GEMM_COST` says is faster; 64 up to 64 rows, where a 128-row tile would be half empty."""
+    if m <= 64:
+        return 64
+    blocks = -(-k // BLOCK_K)
+
+    def cost(tile: int) -> float:
+        per_block, fixed, exact, stream = _GEMM_COST[tile]
+        tiles = -(-n // 256) * -(-m // tile)
+        ctas, split = gemm_grid(tiles, blocks, sms)
+        share = tiles * blocks / ctas  # blocks per CTA
+        reduce = exact * (split - 1) / split if split else stream * blocks / share
+        return per_block * share + fixed + reduce
+
+    return min((64, 128), key=cost)
+
+
+def gemm_grid(tiles: int, num_blocks: int, resident: int) -> tuple[int, int]:
+    """The wgmma GEMM's grid (as gemm_grid in cuda_ext/gptq_gemm.cuh): (CTAs, k). Where the
+    tiles fit, each is split into k = resident // tiles equal parts if that keeps 90% of the
+    CTAs busy; else k = 0: stream-K over all resident CTAs."""
+    k = min(resident // tiles, num_blocks)
+    if k >= 1 and 10 * k * tiles >= 9 * resident:
+        return k * tiles, k
+    return min(resident, tiles * num_blocks), 0
 
 
 def gptq_matmul_reference(
@@ -326,9 +339,8 @@ def _launch_cuda(
     if bias is not None:  # every input the op would reject is fixed or refused here
         bias = bias.to(x.dtype).contiguous()
     ws = cuda_workspace(x.device)
-    if gemm:  # forced by PAGEDQ_GPTQ_BACKEND=cuda where auto would not: 64-row tiles (more
-        # items per SM; H200 o at M=128: 25 µs against 54 with 128-row tiles)
-        tile = cuda_gemm_tile(x.shape[0], w.out_features, w.in_features, x.device) or 64
+    if gemm:
+        tile = cuda_gemm_tile(x.shape[0], w.out_features, w.in_features, x.device)
         return torch.ops.pagedq.gptq_gemm(
             x, w.qweight, w.scales, w.zeros, bias, ws, w.group_size, tile
         )
