@@ -81,7 +81,9 @@ int check_split(int tiles, int num_blocks, int ctas) {
     }
   }
   for (int64_t i = 0; i < items; ++i) {
-    if (taken[i] != 1) return fail("item not taken exactly once", i / num_blocks, i % num_blocks, taken[i]);
+    if (taken[i] != 1) {
+      return fail("item not taken exactly once", i / num_blocks, i % num_blocks, taken[i]);
+    }
   }
   for (int t = 0; t < tiles; ++t) {
     int first, last;
@@ -89,9 +91,13 @@ int check_split(int tiles, int num_blocks, int ctas) {
     if (direct[t] == 1 && sharing[t].empty() && first == last) continue;
     if (direct[t] != 0) return fail("tile both written directly and split", t, direct[t], 0);
     const int count = static_cast<int>(sharing[t].size());
-    if (count < 2 || count != last - first + 1) return fail("contributor count", t, count, last - first + 1);
+    if (count < 2 || count != last - first + 1) {
+      return fail("contributor count", t, count, last - first + 1);
+    }
     for (int k = 0; k < count; ++k) {
-      if (sharing[t][k] != first + k) return fail("sharing CTAs not contributors()' range", t, k, sharing[t][k]);
+      if (sharing[t][k] != first + k) {
+        return fail("sharing CTAs not contributors()' range", t, k, sharing[t][k]);
+      }
     }
   }
   return 0;
@@ -138,7 +144,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (argc < 4) {
-    std::printf("usage: host_check TILES NUM_BLOCKS CTAS... | host_check grid TILES BLOCKS RESIDENT\n");
+    std::printf("usage: host_check TILES NUM_BLOCKS CTAS...\n"
+                "       host_check grid TILES BLOCKS RESIDENT\n");
     return 2;
   }
   const int tiles = std::atoi(argv[1]), num_blocks = std::atoi(argv[2]);
