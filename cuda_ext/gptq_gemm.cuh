@@ -157,48 +157,33 @@ __device__ inline uint64_t smem_desc(uint32_t addr) {
                 "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
                 "%62, %63"
 // acc (+)= A B: A from registers a[0..3], B from descriptor b; the predicate from `keep` picks
-// accumulate (1) or overwrite (0). REGS / A / B / KEEP name the operands' PTX numbers.
-#define PAGEDQ_WGMMA_RS(SHAPE, TYPE, REGS, A, B, KEEP, ACC)                                  \
+// accumulate (1) or overwrite (0). REGS / A / B / KEEP name the operands' PTX numbers; the
+// accumulator operands come last.
+#define PAGEDQ_WGMMA_RS(SHAPE, TYPE, REGS, A, B, KEEP, ...)                                  \
   asm volatile("{ .reg .pred p; setp.ne.b32 p, " KEEP ", 0; wgmma.mma_async.sync.aligned." SHAPE \
                ".f32." TYPE "." TYPE " {" REGS "}, {" A "}, " B ", p, 1, 1, 0; }"          \
-               : ACC                                                                       \
+               : __VA_ARGS__                                                               \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(keep))
 
-// acc (+)= A B; keep = 0: acc = A B (the first k16 slice of a tile).
+// Wgmma<T, BT>::run: acc (+)= A B for tiles of BT tokens (wgmma m64nBTk16); keep = 0: acc = A B
+// (the first k16 slice of a tile).
 template <typename T, int BT>
 struct Wgmma;
-template <typename T>
-struct Wgmma<T, 64> {
-  __device__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t keep) {
-#ifdef PAGEDQ_WGMMA
-    if constexpr (std::is_same_v<T, __half>) {
-      PAGEDQ_WGMMA_RS("m64n64k16", "f16", PAGEDQ_REGS32, "%32, %33, %34, %35", "%36", "%37",
-                      PAGEDQ_ACC32(d));
-    } else {
-      PAGEDQ_WGMMA_RS("m64n64k16", "bf16", PAGEDQ_REGS32, "%32, %33, %34, %35", "%36", "%37",
-                      PAGEDQ_ACC32(d));
-    }
-#else
-    __trap();
-#endif
-  }
-};
-template <typename T>
-struct Wgmma<T, 128> {
-  __device__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, uint32_t keep) {
-#ifdef PAGEDQ_WGMMA
-    if constexpr (std::is_same_v<T, __half>) {
-      PAGEDQ_WGMMA_RS("m64n128k16", "f16", PAGEDQ_REGS64, "%64, %65, %66, %67", "%68", "%69",
-                      PAGEDQ_ACC64(d));
-    } else {
-      PAGEDQ_WGMMA_RS("m64n128k16", "bf16", PAGEDQ_REGS64, "%64, %65, %66, %67", "%68", "%69",
-                      PAGEDQ_ACC64(d));
-    }
-#else
-    __trap();
-#endif
-  }
-};
+#define PAGEDQ_WGMMA_TILE(BT, REGS, A, B, KEEP, ...)                                          \
+  template <typename T>                                                                       \
+  struct Wgmma<T, BT> {                                                                       \
+    __device__ static void run(float (&d)[BT / 2], const uint32_t (&a)[4], uint64_t b,       \
+                               uint32_t keep) {                                               \
+      if constexpr (std::is_same_v<T, __half>) {                                             \
+        PAGEDQ_WGMMA_RS("m64n" #BT "k16", "f16", REGS, A, B, KEEP, __VA_ARGS__);              \
+      } else {                                                                                \
+        PAGEDQ_WGMMA_RS("m64n" #BT "k16", "bf16", REGS, A, B, KEEP, __VA_ARGS__);             \
+      }                                                                                       \
+    }                                                                                         \
+  };
+PAGEDQ_WGMMA_TILE(64, PAGEDQ_REGS32, "%32, %33, %34, %35", "%36", "%37", PAGEDQ_ACC32(d))
+PAGEDQ_WGMMA_TILE(128, PAGEDQ_REGS64, "%64, %65, %66, %67", "%68", "%69", PAGEDQ_ACC64(d))
+
 // --- stage copies: bulk copies whose completion the stage's mbarrier counts in bytes
 
 __device__ inline void mbar_expect(uint64_t* bar, uint32_t bytes) {
@@ -602,6 +587,5 @@ __global__ void __launch_bounds__(kGemmBlock, 1)
     gemm_body<T, BT, PQ, false>(p, &x_map);
   }
 }
-
 }  // namespace gptq
 }  // namespace pagedq
