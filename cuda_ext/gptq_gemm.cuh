@@ -581,11 +581,16 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
 template <typename T, int BT, bool PQ>
 __global__ void __launch_bounds__(kGemmBlock, 1)
     gptq_gemm_kernel(const GemmParams p, const __grid_constant__ CUtensorMap x_map) {
+#ifdef PAGEDQ_WGMMA  // sm_90a only (wgmma, TMA, setmaxnreg); the op refuses other GPUs
   if (p.zeros != nullptr) {
     gemm_body<T, BT, PQ, true>(p, &x_map);
   } else {
     gemm_body<T, BT, PQ, false>(p, &x_map);
   }
+#else
+  __trap();  // built for another architecture with the rest of the extension (the GEMV)
+#endif
 }
+
 }  // namespace gptq
 }  // namespace pagedq

@@ -227,6 +227,26 @@ def test_gemm_grid_matches_the_kernel_host_code(
     assert ctas <= resident and (split == 0 or ctas == split * tiles)
 
 
+@pytest.mark.parametrize("arch", ["80", "89", "90a"])
+def test_gemm_kernel_compiles_for_every_extension_architecture(tmp_path: Path, arch: str) -> None:
+    """build.py compiles gptq_gemm.cu with the GEMV for the current GPU's architecture (8.0 and
+    up). The wgmma GEMM's body exists only on sm_90a; elsewhere it must still compile, or the
+    whole extension, GEMV included, would fail to build."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    src = tmp_path / "instantiate.cu"
+    src.write_text(
+        '#include "gptq_gemm.cuh"\n'
+        "template __global__ void pagedq::gptq::gptq_gemm_kernel<__nv_bfloat16, 128, true>(\n"
+        "    const pagedq::gptq::GemmParams, const __grid_constant__ CUtensorMap);\n"
+    )
+    gencode = f"-gencode=arch=compute_{arch},code=sm_{arch}"
+    cmd = [nvcc, "-std=c++17", "-O1", gencode, f"-I{ROOT / 'cuda_ext'}", "-c", str(src)]
+    done = subprocess.run([*cmd, "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 # --- the Triton kernels through the real compiler (sm_90), no GPU needed ------------------
 
 AOT_VARIANTS = [  # (kernel, dtype, BLOCK_M, BLOCK_N, SCALE_MODE, HAS_ZEROS, HAS_BIAS, USE_SPLIT_K,
