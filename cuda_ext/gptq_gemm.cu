@@ -53,11 +53,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
                at::Tensor& workspace, int64_t group_size, int bt) {
   const int device = x.device().index();
   gptq::GemmParams p{};
-  p.M = static_cast<int>(x.size(0));
-  p.N = static_cast<int>(qweight.size(1));
-  p.K = static_cast<int>(x.size(1));
-  p.group_size = static_cast<int>(group_size);
-  p.num_groups = static_cast<int>(scales.size(0));
+  gptq_host::set_shape(p, x, qweight, scales, group_size);
   p.tiles_m = (p.M + bt - 1) / bt;
   p.tiles_n = (p.N + gptq::kGemmCols - 1) / gptq::kGemmCols;
   p.num_blocks = (p.K + gptq::kBlockK - 1) / gptq::kBlockK;

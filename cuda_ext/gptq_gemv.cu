@@ -40,11 +40,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
                at::Tensor& workspace, int64_t group_size) {
   const int device = x.device().index();
   gptq::Params p{};
-  p.M = static_cast<int>(x.size(0));
-  p.N = static_cast<int>(qweight.size(1));
-  p.K = static_cast<int>(x.size(1));
-  p.group_size = static_cast<int>(group_size);
-  p.num_groups = static_cast<int>(scales.size(0));
+  gptq_host::set_shape(p, x, qweight, scales, group_size);
   p.tiles = (p.N + gptq::kTileN - 1) / gptq::kTileN;
   p.num_blocks = (p.K + gptq::kBlockK - 1) / gptq::kBlockK;
   const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;

@@ -118,6 +118,18 @@ inline int resident_ctas(const char* op, const void* kernel, int threads, size_t
   return cache.emplace(key, per_sm * sms).first->second;
 }
 
+// The problem's shape in the kernel parameters: x [M, K], qweight [Kp/8, N], scales [G, N].
+// P: gptq::Params or gptq::GemmParams.
+template <typename P>
+void set_shape(P& p, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+               int64_t group_size) {
+  p.M = static_cast<int>(x.size(0));
+  p.N = static_cast<int>(qweight.size(1));
+  p.K = static_cast<int>(x.size(1));
+  p.group_size = static_cast<int>(group_size);
+  p.num_groups = static_cast<int>(scales.size(0));
+}
+
 // Point the kernel parameters' tensor fields at the op's tensors and a new out [M, N]; returns
 // out. P: gptq::Params or gptq::GemmParams.
 template <typename P>
