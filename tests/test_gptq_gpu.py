@@ -235,7 +235,7 @@ def test_cuda_kernel_takes_unaligned_rows_and_chains_in_a_graph(layers, monkeypa
 @pytest.mark.parametrize("backend", ["auto", "cuda"])
 def test_engine_with_the_cuda_kernel_matches_cpu(tmp_path, dtype, backend, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A pagedq-quantized model in the engine on CUDA (decode batches of 4 take the CUDA GEMV;
-    with the cuda backend, prefills of more than 16 tokens take the wgmma GEMM on sm_90) gives the
+    prefills of more than 16 tokens take the wgmma GEMM on sm_90, under either backend) gives the
     greedy tokens of the fp32 CPU reference, up to near-ties."""
     monkeypatch.delenv(BACKEND_ENV, raising=False)  # the CPU reference runs on `auto`
     from pagedq import LLM, SamplingParams
