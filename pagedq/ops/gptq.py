@@ -202,7 +202,7 @@ def cuda_gemm_tile(m: int, n: int, k: int, device: torch.device) -> int:
     return gemm_tile_for(m, n, k, _num_sms(device))
 
 
-@functools.cache  # on every call above 16 rows: the model runs once per shape
+@functools.lru_cache(maxsize=4096)  # on every call above 16 rows: once per shape
 def gemm_tile_for(m: int, n: int, k: int, sms: int) -> int:
     """`cuda_gemm_tile` on a GPU with `sms` SMs (one CTA each): the tile the cost model
     `_GEMM_COST` says is faster; 64 up to 64 rows, where a 128-row tile would be half empty."""
