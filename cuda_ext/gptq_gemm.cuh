@@ -384,71 +384,54 @@ __device__ inline uint4 load_slot4(const float* at) {
   return v;
 }
 
-// Add pieces [v0, v0 + NV) that lie in [lo, hi) of the slots of CTAs c[0], ..., c[NC - 1] (-1:
-// none) to acc in that order, and empty them. Every round re-reads all the pieces still empty at
-// once: polling them one at a time cost a round trip per piece when the reader got there first
-// (H200, M=256, per layer: stream-K qkv 59.2 -> 53.4 µs, down split in 4 exact parts 55.8 ->
-// 51.4), and 16 pieces per call (NC x NV) take TODO.
-template <int BT, int NC, int NV>
-__device__ inline void add_slots(const GemmParams& p, const int (&c)[NC], int v0, int lo, int hi,
-                                 float (&acc)[2][BT / 2]) {
-  uint32_t wanted = 0;  // bit i NV + u: piece v0 + u of CTA c[i]
+// Add pieces [v0, v0 + 8) of CTA c's slot that lie in [lo, hi) to acc as they land, and empty
+// them. Every round re-reads all the pieces still empty at once: polling them one at a time cost
+// a round trip per piece when the reader got there first (H200, M=256, per layer: stream-K qkv
+// 59.2 -> 53.4 µs, down split in 4 exact parts 55.8 -> 51.4).
+template <int BT>
+__device__ inline void add_slot(const GemmParams& p, int c, int v0, int lo, int hi,
+                                float (&acc)[2][BT / 2]) {
+  constexpr int kAhead = 8;  // 16-byte reads in flight
+  uint32_t pending = 0;
 #pragma unroll
-  for (int i = 0; i < NC; ++i) {
-#pragma unroll
-    for (int u = 0; u < NV; ++u) {
-      if (c[i] >= 0 && v0 + u >= lo && v0 + u < hi) wanted |= 1u << (i * NV + u);
-    }
+  for (int u = 0; u < kAhead; ++u) {
+    if (v0 + u >= lo && v0 + u < hi) pending |= 1u << u;
   }
-  uint4 got[NC][NV];
-  for (uint32_t pending = wanted; pending != 0;) {
+  while (pending != 0) {
+    uint4 got[kAhead];
 #pragma unroll
-    for (int i = 0; i < NC; ++i) {
-#pragma unroll
-      for (int u = 0; u < NV; ++u) {
-        if (pending >> (i * NV + u) & 1) got[i][u] = load_slot4(gemm_slot<BT>(p, c[i], v0 + u));
-      }
+    for (int u = 0; u < kAhead; ++u) {
+      if (pending >> u & 1) got[u] = load_slot4(gemm_slot<BT>(p, c, v0 + u));
     }
-    const uint32_t asked = pending;
 #pragma unroll
-    for (int i = 0; i < NC; ++i) {
-#pragma unroll
-      for (int u = 0; u < NV; ++u) {
-        const uint4 g = got[i][u];  // a piece may land in parts: it counts once whole
-        if ((asked >> (i * NV + u) & 1) && g.x != kEmpty && g.y != kEmpty && g.z != kEmpty &&
-            g.w != kEmpty) {
-          pending &= ~(1u << (i * NV + u));
-        }
+    for (int u = 0; u < kAhead; ++u) {
+      if (!(pending >> u & 1) || got[u].x == kEmpty || got[u].y == kEmpty ||
+          got[u].z == kEmpty || got[u].w == kEmpty) {
+        continue;  // a piece may land in parts: it counts once whole
       }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < NC; ++i) {  // in CTA order: the sum does not depend on timing
-#pragma unroll
-    for (int u = 0; u < NV; ++u) {
-      if (!(wanted >> (i * NV + u) & 1)) continue;
-      const int v = 4 * (v0 + u);  // values v..v+3: accumulator (v / (BT / 2), v % (BT / 2))
-      float* dst = &acc[v / (BT / 2)][v % (BT / 2)];
-      dst[0] += __uint_as_float(got[i][u].x);
-      dst[1] += __uint_as_float(got[i][u].y);
-      dst[2] += __uint_as_float(got[i][u].z);
-      dst[3] += __uint_as_float(got[i][u].w);
+      const int i = 4 * (v0 + u);  // value i..i+3: accumulator (i / (BT / 2), i % (BT / 2))
+      float* dst = &acc[i / (BT / 2)][i % (BT / 2)];
+      dst[0] += __uint_as_float(got[u].x);
+      dst[1] += __uint_as_float(got[u].y);
+      dst[2] += __uint_as_float(got[u].z);
+      dst[3] += __uint_as_float(got[u].w);
       const float empty = __uint_as_float(kEmpty);
-      store_slot4(gemm_slot<BT>(p, c[i], v0 + u), empty, empty, empty, empty);
+      store_slot4(gemm_slot<BT>(p, c, v0 + u), empty, empty, empty, empty);
+      pending &= ~(1u << u);
     }
   }
 }
 
-// The owner of split tile `tile` adds the other contributors' slots in CTA order.
+// The owner of split tile `tile` adds the other contributors' slots in CTA order (the sum does
+// not depend on timing).
 template <int BT>
 __device__ inline void gemm_finish(const GemmParams& p, int tile, float (&acc)[2][BT / 2],
                                    int64_t items, int ctas) {
   const int first = owner(static_cast<int64_t>(tile) * p.num_blocks, items, ctas);
   const int last = owner(static_cast<int64_t>(tile + 1) * p.num_blocks - 1, items, ctas);
   for (int c = first + 1; c <= last; ++c) {
-    const int one[1] = {c};
 #pragma unroll
-    for (int v0 = 0; v0 < BT / 4; v0 += 16) add_slots<BT, 1, 16>(p, one, v0, 0, BT / 4, acc);
+    for (int v0 = 0; v0 < BT / 4; v0 += 8) add_slot<BT>(p, c, v0, 0, BT / 4, acc);
   }
 }
 
@@ -468,17 +451,11 @@ __device__ inline void gemm_share(const GemmParams& p, int m0, int n0, float (&a
     const float* src = &acc[4 * v / (BT / 2)][4 * v % (BT / 2)];
     store_slot4(gemm_slot<BT>(p, blockIdx.x, v), src[0], src[1], src[2], src[3]);
   }
-  const int self = static_cast<int>(blockIdx.x);
-  auto next = [&](int& c) {  // the next other CTA of the tile from c on, or -1
-    c += c == self;
-    return c < first + k ? c++ : -1;
-  };
-  for (int c = first; c < first + k;) {  // the other CTAs two at a time, in CTA order
-    const int a = next(c);
-    const int two[2] = {a, next(c)};
+  for (int c = first; c < first + k; ++c) {
+    if (c == static_cast<int>(blockIdx.x)) continue;
 #pragma unroll
     for (int v0 = 0; v0 < kPieces; v0 += 8) {
-      if (v0 < hi && v0 + 8 > lo) add_slots<BT, 2, 8>(p, two, v0, lo, hi, acc);
+      if (v0 < hi && v0 + 8 > lo) add_slot<BT>(p, c, v0, lo, hi, acc);
     }
   }
   gemm_write<T, BT>(p, m0, n0, acc, lo, hi);
