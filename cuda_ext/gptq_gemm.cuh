@@ -387,7 +387,9 @@ __device__ inline uint4 load_slot4(const float* at) {
 // Add pieces [v0, v0 + 8) of CTA c's slot that lie in [lo, hi) to acc as they land, and empty
 // them. Every round re-reads all the pieces still empty at once: polling them one at a time cost
 // a round trip per piece when the reader got there first (H200, M=256, per layer: stream-K qkv
-// 59.2 -> 53.4 µs, down split in 4 exact parts 55.8 -> 51.4).
+// 59.2 -> 53.4 µs, down split in 4 exact parts 55.8 -> 51.4). Slower on the H200 (M=256 stack,
+// bench/results/gptq_w4a_2026-11-30r_notes.md): 16 pieces per round, all pieces at once through
+// shared memory, sleeping between rounds, and clusters of two CTAs trading halves of the tile.
 template <int BT>
 __device__ inline void add_slot(const GemmParams& p, int c, int v0, int lo, int hi,
                                 float (&acc)[2][BT / 2]) {
