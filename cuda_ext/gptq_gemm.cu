@@ -4,7 +4,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cudaTypedefs.h>
 
-#include <algorithm>
 #include <utility>
 
 #include "gptq_host.h"

@@ -58,11 +58,11 @@ _GEMM_COST = {64: (1.29, 4.09, 4.53, 1.72), 128: (1.73, 7.99, 4.68, 3.77)}
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # arrival counters of split tiles per weight (>= tiles of any launch)
-# The CUDA GEMV's grid is at most one CTA per resident slot: 3 per SM on the H200 (registers),
-# sized here for 4; its slots hold SMALL_M_MAX_M x 64 values. The GEMM's: one CTA per SM (shared
-# memory), slots of 256 threads x 128 values.
-_GEMV_SLOT_VALUES = 4 * SMALL_M_MAX_M * 64
-_GEMM_SLOT_VALUES = 256 * 128
+# Workspace values per SM. The CUDA GEMV's grid is at most one CTA per resident slot: 3 per SM
+# on the H200 (registers), sized here for 4, each slot SMALL_M_MAX_M x 64 values. The GEMM's:
+# one CTA per SM (shared memory), slots of 256 threads x 128 values.
+_GEMV_VALUES_PER_SM = 4 * SMALL_M_MAX_M * 64
+_GEMM_VALUES_PER_SM = 256 * 128
 _INTERPRETER_SMS = 4  # "SM count" used to size split-K in the Triton interpreter
 _KERNEL_MODULES = (
     "triton_kernels.gptq_common",
@@ -357,8 +357,10 @@ def cuda_workspace(device: torch.device) -> torch.Tensor:
 
 @functools.cache
 def _cuda_workspace(index: int) -> torch.Tensor:
-    slot = _GEMM_SLOT_VALUES if _is_sm90(torch.device("cuda", index)) else _GEMV_SLOT_VALUES
-    size = _cuda_sms(index) * max(slot, _GEMV_SLOT_VALUES)
+    per_sm = _GEMV_VALUES_PER_SM
+    if _is_sm90(torch.device("cuda", index)):  # the GEMM runs there too
+        per_sm = max(per_sm, _GEMM_VALUES_PER_SM)
+    size = _cuda_sms(index) * per_sm
     return torch.full((size,), -1, dtype=torch.int32, device=torch.device("cuda", index))
 
 
