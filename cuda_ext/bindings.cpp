@@ -16,8 +16,9 @@ at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
                           const std::optional<at::Tensor>& bias, at::Tensor& workspace,
                           int64_t group_size);
 
-// gptq_gemm.cu: the same product for any M on sm_90 (wgmma), tiles of 256 columns x tile_tokens
-// (64 or 128) rows; workspace [>= CTAs * 256 * tile_tokens] int32, the same protocol.
+// gptq_gemm.cu: the same product for any M on sm_90 (wgmma), tiles of tile_tokens rows (64, 128
+// or 256) x 256 columns (128 for 256 rows); workspace [>= CTAs * 256 * min(tile_tokens, 128)]
+// int32, the same protocol.
 at::Tensor gptq_gemm_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros,
                           const std::optional<at::Tensor>& bias, at::Tensor& workspace,

@@ -4,8 +4,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cudaTypedefs.h>
 
-#include <utility>
-
 #include "gptq_host.h"
 #include "gptq_gemm.cuh"
 
@@ -14,10 +12,30 @@ namespace {
 
 using GemmFn = void (*)(gptq::GemmParams, CUtensorMap);
 
+struct GemmVariant {
+  GemmFn kernel;
+  size_t smem;
+  int cols;    // output columns per tile
+  int values;  // workspace values per CTA
+};
+
 template <typename T, int BT>
-std::pair<GemmFn, size_t> gemm_variant(bool per_quarter) {
-  if (per_quarter) return {gptq::gptq_gemm_kernel<T, BT, true>, gptq::gemm_smem_bytes<BT, true>()};
-  return {gptq::gptq_gemm_kernel<T, BT, false>, gptq::gemm_smem_bytes<BT, false>()};
+GemmVariant gemm_variant(bool per_quarter) {
+  using Tile = gptq::GemmTile<BT>;
+  constexpr int values = gptq::kGemmThreads * 4 * Tile::kPieces;
+  if (per_quarter) {
+    return {gptq::gptq_gemm_kernel<T, BT, true>, gptq::gemm_smem_bytes<BT, true>(), Tile::kCols,
+            values};
+  }
+  return {gptq::gptq_gemm_kernel<T, BT, false>, gptq::gemm_smem_bytes<BT, false>(), Tile::kCols,
+          values};
+}
+
+template <typename T>
+GemmVariant gemm_variant(int bt, bool per_quarter) {
+  if (bt == 64) return gemm_variant<T, 64>(per_quarter);
+  if (bt == 128) return gemm_variant<T, 128>(per_quarter);
+  return gemm_variant<T, 256>(per_quarter);
 }
 
 // x [M, K] as the kernel's tensor map: boxes of 64 k x BT rows, 128-byte swizzle, zeros outside.
@@ -53,23 +71,21 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   const int device = x.device().index();
   gptq::GemmParams p{};
   gptq_host::set_shape(p, x, qweight, scales, group_size);
+  const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;
+  const GemmVariant v = gemm_variant<T>(bt, per_quarter);
   p.tiles_m = (p.M + bt - 1) / bt;
-  p.tiles_n = (p.N + gptq::kGemmCols - 1) / gptq::kGemmCols;
+  p.tiles_n = (p.N + v.cols - 1) / v.cols;
   p.num_blocks = (p.K + gptq::kBlockK - 1) / gptq::kBlockK;
   const int64_t items = int64_t{p.tiles_m} * p.tiles_n * p.num_blocks;
   TORCH_CHECK(items < (int64_t{1} << 31), "gptq_gemm: ", items, " work items, at most 2^31 - 1");
-  const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;
-  const auto [kernel, smem] = bt == 64 ? gemm_variant<T, 64>(per_quarter)
-                                       : gemm_variant<T, 128>(per_quarter);
   const int resident = gptq_host::resident_ctas(
-      "gptq_gemm", reinterpret_cast<const void*>(kernel), gptq::kGemmBlock, smem, device);
+      "gptq_gemm", reinterpret_cast<const void*>(v.kernel), gptq::kGemmBlock, v.smem, device);
   const int ctas = gptq::gemm_grid(int64_t{p.tiles_m} * p.tiles_n, p.num_blocks, resident, p.split);
-  const int64_t slots = int64_t{ctas} * gptq::kGemmThreads * bt;
-  TORCH_CHECK(workspace.numel() >= slots, "gptq_gemm: ", ctas, " CTAs x ", gptq::kGemmThreads,
-              " threads x ", bt, " values need a workspace of ", slots, ", got ",
-              workspace.numel());
+  const int64_t slots = int64_t{ctas} * v.values;
+  TORCH_CHECK(workspace.numel() >= slots, "gptq_gemm: ", ctas, " CTAs x ", v.values,
+              " values need a workspace of ", slots, ", got ", workspace.numel());
   at::Tensor out = gptq_host::bind(p, x, qweight, scales, zeros, bias, workspace);
-  gptq_host::launch(kernel, ctas, gptq::kGemmBlock, smem, true, p, x_tensor_map(x, bt));
+  gptq_host::launch(v.kernel, ctas, gptq::kGemmBlock, v.smem, true, p, x_tensor_map(x, bt));
   return out;
 }
 
@@ -82,8 +98,9 @@ at::Tensor gptq_gemm_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
                           int64_t group_size, int64_t tile_tokens) {
   gptq_host::check_inputs("gptq_gemm", int64_t{1} << 30, x, qweight, scales, zeros, bias,
                           workspace, group_size);
-  TORCH_CHECK(tile_tokens == 64 || tile_tokens == 128, "gptq_gemm: tile_tokens = ", tile_tokens,
-              ", the kernel has tiles of 64 or 128 tokens");
+  TORCH_CHECK(tile_tokens == 64 || tile_tokens == 128 || tile_tokens == 256,
+              "gptq_gemm: tile_tokens = ", tile_tokens,
+              ", the kernel has tiles of 64, 128 or 256 tokens");
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   const int sm = gptq_host::capability(x.device().index());
   TORCH_CHECK(sm == 90, "gptq_gemm: needs an sm_90 GPU (wgmma), device ", x.device(), " is sm_",

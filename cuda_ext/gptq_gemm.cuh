@@ -1,10 +1,13 @@
 // GPTQ 4-bit matmul for larger batches on Hopper (sm_90a): wgmma with the dequantized weights as
 // the register operand, activations from shared memory, fp32 accumulation, stream-K.
 //
-// out^T [N, M] = W^T [N, K] x^T [K, M]. A CTA tile is 256 output columns x BT tokens (BT = 64 or
-// 128, the wgmma N): two warpgroups of 128 columns, each two m64 wgmma tiles, so every weight is
-// dequantized once per BT tokens and every activation is read from L2 once per 256 columns (the
-// Triton GEMM's 64-column tiles read x four times as often).
+// out^T [N, M] = W^T [N, K] x^T [K, M]. A CTA tile is BT tokens (the wgmma N) x 256 output
+// columns for BT = 64 or 128, or x 128 columns for BT = 256: two warpgroups of two m64 wgmma tiles
+// each, or of one, so a thread holds at most 128 accumulators. Every weight is dequantized once
+// per BT tokens, and every activation is read from L2 once per tile width (the Triton GEMM's
+// 64-column tiles read x four times as often). 256-token tiles halve the dequantization per
+// token (H200 stacks of the bench's layers against 128-token tiles: M=256 6.75 vs 7.31 ms,
+// M=2048 46.6 vs 50.9).
 //
 // Layout: the packed weights of pagedq/ops/gptq.py, as in gptq_gemv.cuh (block b = word rows
 // 16b..16b+15 = input rows 128b..128b+127; nibble p + 4h of word row r is input row 32p + 2r + h).
@@ -16,7 +19,7 @@
 //
 // Pipeline, warp-specialized. A stage holds one 128-row block: x [BT tokens x 128] as two
 // 128-byte-swizzled halves (the wgmma B operand, K-major; two TMA tensor copies, zeros past M and
-// K), the 16 word rows of the 256 columns and their scales (and zeros). A producer warpgroup
+// K), the 16 word rows of the tile's columns and their scales (and zeros). A producer warpgroup
 // (one thread issues; 40 registers) fills the stages with bulk copies counted in bytes by each
 // stage's `full` mbarrier; the two consumer warpgroups (232 registers) wait on it, compute, and
 // release the stage through its `empty` mbarrier once the wgmmas that read it are done. No CTA
@@ -48,13 +51,21 @@ namespace gptq {
 constexpr int kGemmThreads = 256;           // the two consumer warpgroups
 constexpr int kProducerThreads = 128;       // the producer warpgroup (one thread copies)
 constexpr int kGemmBlock = kProducerThreads + kGemmThreads;
-constexpr int kGemmCols = 256;              // output columns per tile
-constexpr int kWordStride = kGemmCols + 8;  // words per smem word row: 8-byte reads spread banks
 
-// Pipeline stages: as many as fit in shared memory (a 128-token stage is 50-53 KB, 64: 34-37 KB).
+// The tile of BT tokens: two consumer warpgroups of kMT m64 wgmma tiles each (kCols columns).
+template <int BT>
+struct GemmTile {
+  static constexpr int kMT = BT > 128 ? 1 : 2;        // m64 tiles per warpgroup
+  static constexpr int kCols = 128 * kMT;             // output columns per tile
+  static constexpr int kWordStride = kCols + 8;       // words per smem word row: reads spread banks
+  static constexpr int kPieces = kMT * BT / 8;        // 16-byte pieces of a thread's accumulators
+};
+
+// Pipeline stages: as many as fit in shared memory (a 256-token stage is 74-75 KB, 128: 50-53 KB,
+// 64: 34-37 KB).
 template <int BT>
 __host__ __device__ constexpr int gemm_stages() {
-  return BT > 64 ? 4 : 6;
+  return BT > 128 ? 3 : BT > 64 ? 4 : 6;
 }
 
 struct GemmParams {
@@ -64,11 +75,11 @@ struct GemmParams {
   const void* zeros;       // [G, N] T (z') or nullptr: every z' is 8
   const void* bias;        // [N] T or nullptr
   void* out;               // [M, N] T contiguous
-  float* workspace;        // [>= ctas * 256 * BT] fp32, all kEmpty between launches
+  float* workspace;        // [>= ctas * 1024 * kPieces] fp32, all kEmpty between launches
   int64_t x_stride;
   int M, N, K;             // K % 8 == 0, N % 8 == 0
   int group_size, num_groups;
-  int tiles_m, tiles_n, num_blocks;  // ceil(M / BT), ceil(N / 256), ceil(K / 128)
+  int tiles_m, tiles_n, num_blocks;  // ceil(M / BT), ceil(N / kCols), ceil(K / 128)
   int split;  // k > 0: ctas = k * tiles, tile t in k equal parts (CTAs kt..kt+k-1); 0: stream-K
 };
 
@@ -94,15 +105,18 @@ struct GemmStage {
   static constexpr int kQ = PQ ? 4 : 1;                 // scale rows per block
   static constexpr int kXHalf = BT * 128;               // BT tokens x 64 k x 2 bytes
   static constexpr int kW = 2 * kXHalf;                 // word rows
-  static constexpr int kS = kW + 16 * kWordStride * 4;  // scales [kQ][256]
-  static constexpr int kZ = kS + kQ * kGemmCols * 2;    // zeros [kQ][256]
-  static constexpr int kBytes = (kZ + kQ * kGemmCols * 2 + 1023) / 1024 * 1024;
+  static constexpr int kCols = GemmTile<BT>::kCols;
+  static constexpr int kS = kW + 16 * GemmTile<BT>::kWordStride * 4;  // scales [kQ][kCols]
+  static constexpr int kZ = kS + kQ * kCols * 2;                      // zeros [kQ][kCols]
+  static constexpr int kBytes = (kZ + kQ * kCols * 2 + 1023) / 1024 * 1024;
 };
 
 template <int BT, bool PQ>
 constexpr size_t gemm_smem_bytes() {  // the stages, their two mbarriers, and room to align
   return static_cast<size_t>(GemmStage<BT, PQ>::kBytes + 16) * gemm_stages<BT>() + 1024;
 }
+// The largest stage set fits the H200's 227 KB of shared memory per block.
+static_assert(gemm_smem_bytes<256, true>() <= 227 * 1024);
 
 // This thread's index among the consumer warpgroups' threads.
 __device__ inline int consumer_thread() {
@@ -149,6 +163,9 @@ __device__ inline uint64_t smem_desc(uint32_t addr) {
 #define PAGEDQ_ACC32(d) PAGEDQ_ACC8(d, 0), PAGEDQ_ACC8(d, 8), PAGEDQ_ACC8(d, 16), PAGEDQ_ACC8(d, 24)
 #define PAGEDQ_ACC64(d) \
   PAGEDQ_ACC32(d), PAGEDQ_ACC8(d, 32), PAGEDQ_ACC8(d, 40), PAGEDQ_ACC8(d, 48), PAGEDQ_ACC8(d, 56)
+#define PAGEDQ_ACC128(d)                                                                    \
+  PAGEDQ_ACC64(d), PAGEDQ_ACC8(d, 64), PAGEDQ_ACC8(d, 72), PAGEDQ_ACC8(d, 80), PAGEDQ_ACC8(d, 88), \
+      PAGEDQ_ACC8(d, 96), PAGEDQ_ACC8(d, 104), PAGEDQ_ACC8(d, 112), PAGEDQ_ACC8(d, 120)
 #define PAGEDQ_REGS32                                                                            \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -156,6 +173,12 @@ __device__ inline uint64_t smem_desc(uint32_t addr) {
   PAGEDQ_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
                 "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
                 "%62, %63"
+#define PAGEDQ_REGS128 \
+  PAGEDQ_REGS64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79," \
+  " %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95," \
+  " %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109," \
+  " %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122," \
+  " %123, %124, %125, %126, %127"
 // acc (+)= A B: A from registers a[0..3], B from descriptor b; the predicate from `keep` picks
 // accumulate (1) or overwrite (0). REGS / A / B / KEEP name the operands' PTX numbers; the
 // accumulator operands come last.
@@ -183,6 +206,7 @@ struct Wgmma;
   };
 PAGEDQ_WGMMA_TILE(64, PAGEDQ_REGS32, "%32, %33, %34, %35", "%36", "%37", PAGEDQ_ACC32(d))
 PAGEDQ_WGMMA_TILE(128, PAGEDQ_REGS64, "%64, %65, %66, %67", "%68", "%69", PAGEDQ_ACC64(d))
+PAGEDQ_WGMMA_TILE(256, PAGEDQ_REGS128, "%128, %129, %130, %131", "%132", "%133", PAGEDQ_ACC128(d))
 
 // --- stage copies: bulk copies whose completion the stage's mbarrier counts in bytes
 
@@ -226,7 +250,8 @@ __device__ inline void tensor_copy(void* dst, const void* map, int k, int row, u
 // Bytes one stage receives for column tile n0.
 template <int BT, bool PQ, bool Z>
 __device__ inline uint32_t stage_bytes(const GemmParams& p, int n0) {
-  const int cols = p.N - n0 < kGemmCols ? p.N - n0 : kGemmCols;
+  constexpr int kCols = GemmTile<BT>::kCols;
+  const int cols = p.N - n0 < kCols ? p.N - n0 : kCols;
   return 16 * cols * 4 + GemmStage<BT, PQ>::kQ * cols * 2 * (Z ? 2 : 1) + 2 * BT * 128;
 }
 
@@ -237,21 +262,21 @@ template <int BT, bool PQ, bool Z>
 __device__ inline void gemm_issue(const GemmParams& p, const void* x_map, unsigned char* st,
                                   uint64_t* bar, int m0, int n0, int b, bool with_w, bool with_x) {
   using S = GemmStage<BT, PQ>;
-  const int cols = p.N - n0 < kGemmCols ? p.N - n0 : kGemmCols;
+  const int cols = p.N - n0 < S::kCols ? p.N - n0 : S::kCols;
   if (with_w) {
     mbar_expect(bar, stage_bytes<BT, PQ, Z>(p, n0));
     const int32_t* w = p.qweight + static_cast<int64_t>(b) * 16 * p.N + n0;
 #pragma unroll 4
     for (int r = 0; r < 16; ++r) {
-      bulk_copy(st + S::kW + r * kWordStride * 4, w + r * p.N, cols * 4, bar);
+      bulk_copy(st + S::kW + r * GemmTile<BT>::kWordStride * 4, w + r * p.N, cols * 4, bar);
     }
 #pragma unroll
     for (int q = 0; q < S::kQ; ++q) {
       const int64_t at = group_row(p, b, q) * p.N + n0;
-      bulk_copy(st + S::kS + q * kGemmCols * 2, static_cast<const uint16_t*>(p.scales) + at,
+      bulk_copy(st + S::kS + q * S::kCols * 2, static_cast<const uint16_t*>(p.scales) + at,
                 cols * 2, bar);
       if constexpr (Z) {
-        bulk_copy(st + S::kZ + q * kGemmCols * 2, static_cast<const uint16_t*>(p.zeros) + at,
+        bulk_copy(st + S::kZ + q * S::kCols * 2, static_cast<const uint16_t*>(p.zeros) + at,
                   cols * 2, bar);
       }
     }
@@ -266,25 +291,27 @@ __device__ inline void gemm_issue(const GemmParams& p, const void* x_map, unsign
 // (p, s) into `a` [slice][mt] and issue their wgmmas.
 template <typename T, int BT, bool PQ, bool Z, int kParts>
 __device__ inline void gemm_part(const unsigned char* st, uint32_t x_addr, int part,
-                                 uint32_t (&a)[8 / kParts][2][4], float (&acc)[2][BT / 2],
+                                 uint32_t (&a)[8 / kParts][GemmTile<BT>::kMT][4],
+                                 float (&acc)[GemmTile<BT>::kMT][BT / 2],
                                  bool fresh) {
   using S = GemmStage<BT, PQ>;
   constexpr uint32_t kMagic = Dtype<T>::kMagicBits;
   constexpr int kQuarters = 4 / kParts;
   const int c = consumer_thread(), lane = c % 32, g = lane / 4, t = lane % 4;
-  const int col = 128 * (c / 128) + 16 * (c / 32 % 4) + 2 * g;  // + 64 mt
+  constexpr int kMT = GemmTile<BT>::kMT, kStride = GemmTile<BT>::kWordStride;
+  const int col = 64 * kMT * (c / 128) + 16 * (c / 32 % 4) + 2 * g;  // + 64 mt
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < kMT; ++mt) {
     uint2 w[4];  // word rows t + 4j, columns col + 64 mt + (0, 1)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       w[j] = *reinterpret_cast<const uint2*>(st + S::kW +
-                                             ((t + 4 * j) * kWordStride + col + 64 * mt) * 4);
+                                             ((t + 4 * j) * kStride + col + 64 * mt) * 4);
     }
 #pragma unroll
     for (int pp = 0; pp < kQuarters; ++pp) {
       const int p = kQuarters * part + pp, q = PQ ? p : 0;
-      const int at = (q * kGemmCols + col + 64 * mt) * 2;
+      const int at = (q * S::kCols + col + 64 * mt) * 2;
       const uint32_t s2 = *reinterpret_cast<const uint32_t*>(st + S::kS + at);
       const uint32_t z2 = Z ? *reinterpret_cast<const uint32_t*>(st + S::kZ + at) : 0u;
       uint32_t sc[2], zb[2];  // columns col + e: the scale and MAGIC + z' (odd fp16 p: -(64 + z'))
@@ -318,14 +345,17 @@ __device__ inline void gemm_part(const unsigned char* st, uint32_t x_addr, int p
     }
   }
 #pragma unroll
-  for (int sl = 0; sl < 8 / kParts; ++sl) fence_regs(a[sl][0]), fence_regs(a[sl][1]);
+  for (int sl = 0; sl < 8 / kParts; ++sl) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) fence_regs(a[sl][mt]);
+  }
   wgmma_fence();
 #pragma unroll
   for (int sl = 0; sl < 8 / kParts; ++sl) {  // slice (p, s): x half p / 2, bytes 64 (p % 2) + 32 s
     const int p = kQuarters * part + sl / 2, s = sl % 2;
     const uint64_t desc = smem_desc(x_addr + (p / 2) * S::kXHalf + 64 * (p % 2) + 32 * s);
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) Wgmma<T, BT>::run(acc[mt], a[sl][mt], desc, !(fresh && sl == 0));
+    for (int mt = 0; mt < kMT; ++mt) Wgmma<T, BT>::run(acc[mt], a[sl][mt], desc, !(fresh && sl == 0));
   }
   wgmma_commit();
 }
@@ -334,11 +364,13 @@ __device__ inline void gemm_part(const unsigned char* st, uint32_t x_addr, int p
 // for tokens 8j + 2t (+ 1).
 template <typename T, int BT>
 __device__ inline void gemm_write(const GemmParams& p, int m0, int n0,
-                                  const float (&acc)[2][BT / 2], int lo = 0, int hi = BT / 4) {
+                                  const float (&acc)[GemmTile<BT>::kMT][BT / 2], int lo = 0,
+                                  int hi = GemmTile<BT>::kPieces) {
+  constexpr int kMT = GemmTile<BT>::kMT;
   const int c = consumer_thread(), lane = c % 32, g = lane / 4, t = lane % 4;
-  const int col0 = n0 + 128 * (c / 128) + 16 * (c / 32 % 4) + 2 * g;
+  const int col0 = n0 + 64 * kMT * (c / 128) + 16 * (c / 32 % 4) + 2 * g;
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < kMT; ++mt) {
     const int col = col0 + 64 * mt;
     if (col >= p.N) continue;
     float b0 = 0.f, b1 = 0.f;
@@ -368,7 +400,9 @@ __device__ inline void gemm_write(const GemmParams& p, int m0, int n0,
 template <int BT>
 __device__ inline float* gemm_slot(const GemmParams& p, int cta, int v) {
   return p.workspace +
-         ((static_cast<int64_t>(cta) * BT / 4 + v) * kGemmThreads + consumer_thread()) * 4;
+         ((static_cast<int64_t>(cta) * GemmTile<BT>::kPieces + v) * kGemmThreads +
+          consumer_thread()) *
+             4;
 }
 __device__ inline void store_slot4(float* at, float a, float b, float c, float d) {
   asm volatile("st.relaxed.gpu.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(at), "f"(a), "f"(b),
@@ -392,7 +426,7 @@ __device__ inline uint4 load_slot4(const float* at) {
 // shared memory, sleeping between rounds, and clusters of two CTAs trading halves of the tile.
 template <int BT>
 __device__ inline void add_slot(const GemmParams& p, int c, int v0, int lo, int hi,
-                                float (&acc)[2][BT / 2]) {
+                                float (&acc)[GemmTile<BT>::kMT][BT / 2]) {
   constexpr int kAhead = 8;  // 16-byte reads in flight
   uint32_t pending = 0;
 #pragma unroll
@@ -427,13 +461,16 @@ __device__ inline void add_slot(const GemmParams& p, int c, int v0, int lo, int 
 // The owner of split tile `tile` adds the other contributors' slots in CTA order (the sum does
 // not depend on timing).
 template <int BT>
-__device__ inline void gemm_finish(const GemmParams& p, int tile, float (&acc)[2][BT / 2],
+__device__ inline void gemm_finish(const GemmParams& p, int tile,
+                                   float (&acc)[GemmTile<BT>::kMT][BT / 2],
                                    int64_t items, int ctas) {
   const int first = owner(static_cast<int64_t>(tile) * p.num_blocks, items, ctas);
   const int last = owner(static_cast<int64_t>(tile + 1) * p.num_blocks - 1, items, ctas);
   for (int c = first + 1; c <= last; ++c) {
 #pragma unroll
-    for (int v0 = 0; v0 < BT / 4; v0 += 8) add_slot<BT>(p, c, v0, 0, BT / 4, acc);
+    for (int v0 = 0; v0 < GemmTile<BT>::kPieces; v0 += 8) {
+      add_slot<BT>(p, c, v0, 0, GemmTile<BT>::kPieces, acc);
+    }
   }
 }
 
@@ -442,8 +479,9 @@ __device__ inline void gemm_finish(const GemmParams& p, int tile, float (&acc)[2
 // in CTA order, and writes its share of the output. Each CTA reads (k - 1) / k of a partial
 // tile, where an owner would read k - 1 partial tiles.
 template <typename T, int BT>
-__device__ inline void gemm_share(const GemmParams& p, int m0, int n0, float (&acc)[2][BT / 2]) {
-  constexpr int kPieces = BT / 4;
+__device__ inline void gemm_share(const GemmParams& p, int m0, int n0,
+                                  float (&acc)[GemmTile<BT>::kMT][BT / 2]) {
+  constexpr int kPieces = GemmTile<BT>::kPieces;
   const int k = p.split, first = static_cast<int>(blockIdx.x) / k * k;
   const int j = static_cast<int>(blockIdx.x) - first;
   const int lo = j * kPieces / k, hi = (j + 1) * kPieces / k;
@@ -483,7 +521,7 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
     const int tile = item / p.num_blocks;
     b = item - tile * p.num_blocks;
     m0 = tile % p.tiles_m * BT;
-    n0 = tile / p.tiles_m * kGemmCols;
+    n0 = tile / p.tiles_m * GemmTile<BT>::kCols;
   };
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -521,11 +559,12 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
   // --- the consumer warpgroups
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
   pdl_wait();  // out and the workspace may be the previous kernel's inputs
-  float acc[2][BT / 2];    // written by wgmma only: a tile's first slice overwrites it
+  constexpr int kMT = GemmTile<BT>::kMT;
+  float acc[kMT][BT / 2];  // written by wgmma only: a tile's first slice overwrites it
   // Two register sets of A fragments (block halves): one half's wgmmas run while the other is
   // dequantized (H200: four quarter sets were slower).
   constexpr int kParts = 2;
-  uint32_t a[kParts][8 / kParts][2][4];  // [register set = block part][slice][mt][reg]
+  uint32_t a[kParts][8 / kParts][kMT][4];  // [register set = block part][slice][mt][reg]
   int seg_first = 0;       // the current segment's first block
   int owned = -1;          // the split tile this CTA finishes
   bool fresh = true;       // the next block starts a segment
@@ -542,14 +581,17 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
       wgmma_wait<kParts - 1>();  // the wgmmas that read register set h (a block ago) are done
       if (h == kParts - 1 && i > 0 && releaser) mbar_arrive(&empty[(i - 1) % kStages]);
 #pragma unroll
-      for (int sl = 0; sl < 8 / kParts; ++sl) fence_regs(a[h][sl][0]), fence_regs(a[h][sl][1]);
+      for (int sl = 0; sl < 8 / kParts; ++sl) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) fence_regs(a[h][sl][mt]);
+      }
       gemm_part<T, BT, PQ, Z, kParts>(st, x_addr, h, a[h], acc, fresh && h == 0);
     }
     fresh = false;
     if (b == p.num_blocks - 1 || i == count - 1) {  // the segment ends: flush the tile
       wgmma_wait<0>();
-      fence_regs(acc[0]);
-      fence_regs(acc[1]);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) fence_regs(acc[mt]);
       const int tile = (begin + i) / p.num_blocks;
       const bool whole = seg_first == 0 && b == p.num_blocks - 1;
       if (whole) {
@@ -558,7 +600,7 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
         owned = tile;  // the CTA's last segment, or an exact split's only one: finished below
       } else {
 #pragma unroll
-        for (int v = 0; v < BT / 4; ++v) {
+        for (int v = 0; v < GemmTile<BT>::kPieces; ++v) {
           const float* src = &acc[4 * v / (BT / 2)][4 * v % (BT / 2)];
           store_slot4(gemm_slot<BT>(p, blockIdx.x, v), src[0], src[1], src[2], src[3]);
         }

@@ -198,6 +198,41 @@ def test_cuda_kernel_rows_groups_and_partial_tiles(  # type: ignore[no-untyped-d
     assert torch.equal(lin(x), out)  # split tiles are summed in a fixed order
 
 
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=["fp16", "bf16"])
+@pytest.mark.parametrize("tile", [64, 128, 256])
+@pytest.mark.parametrize(
+    ("m", "k", "n", "group_size", "zero_mode"),
+    [
+        (256, 512, 12288, 128, "sym_v1"),  # 96 or 48 column tiles: stream-K
+        (300, 4160, 136, 64, "v2"),  # partial row and column tiles, 64-row groups, K % 128 != 0
+        (17, 4096, 200, 32, "v1"),  # one mostly empty row tile, 32-row groups
+        (512, 11008, 4096, 128, "v1"),  # exact splits (o / down at M=512)
+    ],
+)
+def test_cuda_gemm_every_tile_height(  # type: ignore[no-untyped-def]
+    m, k, n, group_size, zero_mode, tile, dtype, monkeypatch
+) -> None:
+    """The wgmma GEMM with each tile height the rule can pick, forced whatever M: 64- and
+    128-row tiles of 256 columns, 256-row tiles of 128 columns."""
+    from pagedq.ops import gptq as ops
+
+    ck = make_checkpoint(
+        seed=m + k + n + tile, k=k, n=n, group_size=group_size, zero_mode=zero_mode,
+        desc_act=True, bias=True,
+    )  # fmt: skip
+    lin = GPTQLinear([ck.tensors], ck.config, dtype, device="cuda")
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    monkeypatch.setattr(ops, "cuda_gemm_tile", lambda *_: tile)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    if select_path(x, lin.segment(0)[0]) != "cuda_gemm":
+        pytest.skip("CUDA extension unavailable (see the warning), or the GEMM needs sm_90")
+    out = lin(x)
+    ref = reference_output(x.cpu(), [ck])
+    assert (out.double().cpu() - ref).abs().max() <= TOLERANCE[dtype] * ref.abs().max()
+    assert bool(cuda_workspace(x.device).eq(-1).all())
+    assert torch.equal(lin(x), out)
+
+
 def test_cuda_kernel_takes_unaligned_rows_and_chains_in_a_graph(layers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """x views with odd strides or offsets, and back-to-back dependent launches (PDL) captured in
     one graph: each kernel must see the previous kernel's output."""

@@ -50,11 +50,18 @@ SMALL_M_MAX_M = 16
 # M=17..64: qkv 24 vs 24, o 14 vs 13, gate_up 34 vs 43-45, down 22 vs 24 (one o on Triton
 # would cost more in switches between the kernels than it gains); M=128: 37 / 18 / 49 / 31 vs
 # 54 / 21 / 78 / 43; M=256: 54 / 25 / 88 / 48 vs 77 / 28 / 126 / 60.
-# Its tile height (64 or 128 rows) comes from a cost model of one launch, fitted to those
-# measurements at M = 64..256 (it picks the faster tile in all 16 cases): per tile height, µs
-# per 128-row block of a CTA's share, fixed, times (k - 1) / k for an exact split in k parts,
-# and per contributor of a stream-K tile (see `gemm_grid`).
-_GEMM_COST = {64: (1.29, 4.09, 4.53, 1.72), 128: (1.73, 7.99, 4.68, 3.77)}
+# Its tile height (64, 128 or 256 rows) comes from a cost model of one launch, fitted to those
+# measurements at M = 64..256 (it picks the faster of 64 and 128 in all 16 cases): per tile
+# height, µs per 128-row block of a CTA's share, fixed, times (k - 1) / k for an exact split in
+# k parts, and per contributor of a stream-K tile (see `gemm_grid`). A 256-row tile is 128
+# columns wide and costs 0.9x a 128-row tile's block: per-layer µs at M = 256..2048 were
+# 0.89-1.0x (bench/results/gptq_w4a_2026-11-30s_notes.md).
+_GEMM_COST = {
+    64: (1.29, 4.09, 4.53, 1.72),
+    128: (1.73, 7.99, 4.68, 3.77),
+    256: (1.56, 7.99, 4.68, 3.77),
+}
+_GEMM_TILE_COLS = {64: 256, 128: 256, 256: 128}  # output columns per tile, by tile height
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # arrival counters of split tiles per weight (>= tiles of any launch)
@@ -198,27 +205,29 @@ def select_path(x: torch.Tensor, w: PackedGPTQWeight) -> str:
 
 
 def cuda_gemm_tile(m: int, n: int, k: int, device: torch.device) -> int:
-    """Rows per tile (64 or 128) of the wgmma GEMM for x [m, k] @ W^T [k, n] on `device`."""
+    """Rows per tile (64, 128 or 256) of the wgmma GEMM for x [m, k] @ W^T [k, n] on `device`."""
     return gemm_tile_for(m, n, k, _num_sms(device))
 
 
 @functools.lru_cache(maxsize=4096)  # on every call above 16 rows: once per shape
 def gemm_tile_for(m: int, n: int, k: int, sms: int) -> int:
     """`cuda_gemm_tile` on a GPU with `sms` SMs (one CTA each): the tile the cost model
-    `_GEMM_COST` says is faster; 64 up to 64 rows, where a 128-row tile would be half empty."""
+    `_GEMM_COST` says is faster; 64 up to 64 rows, where a taller tile would be half empty."""
     if m <= 64:
         return 64
     blocks = -(-k // BLOCK_K)
 
     def cost(tile: int) -> float:
         per_block, fixed, exact, stream = _GEMM_COST[tile]
-        tiles = -(-n // 256) * -(-m // tile)
+        tiles = -(-n // _GEMM_TILE_COLS[tile]) * -(-m // tile)
         ctas, split = gemm_grid(tiles, blocks, sms)
         share = tiles * blocks / ctas  # blocks per CTA
         reduce = exact * (split - 1) / split if split else stream * blocks / share
         return per_block * share + fixed + reduce
 
-    return min((64, 128), key=cost)
+    # 256-row tiles from 256 rows on: at M=192 they lost to the best of the others on every
+    # layer (H200: qkv 56 vs 50 µs, o 26 vs 24, gate_up 80.5 vs 80.7, down 50 vs 46)
+    return min((64, 128, 256) if m >= 256 else (64, 128), key=cost)
 
 
 def gemm_grid(tiles: int, num_blocks: int, resident: int) -> tuple[int, int]:
