@@ -55,10 +55,10 @@ constexpr int kGemmBlock = kProducerThreads + kGemmThreads;
 // The tile of BT tokens: two consumer warpgroups of kMT m64 wgmma tiles each (kCols columns).
 template <int BT>
 struct GemmTile {
-  static constexpr int kMT = BT > 128 ? 1 : 2;        // m64 tiles per warpgroup
-  static constexpr int kCols = 128 * kMT;             // output columns per tile
-  static constexpr int kWordStride = kCols + 8;       // words per smem word row: reads spread banks
-  static constexpr int kPieces = kMT * BT / 8;        // 16-byte pieces of a thread's accumulators
+  static constexpr int kMT = BT > 128 ? 1 : 2;   // m64 tiles per warpgroup
+  static constexpr int kCols = 128 * kMT;        // output columns per tile
+  static constexpr int kWordStride = kCols + 8;  // words per smem word row: reads spread banks
+  static constexpr int kPieces = kMT * BT / 8;   // 16-byte pieces of a thread's accumulators
 };
 
 // Pipeline stages: as many as fit in shared memory (a 256-token stage is 74-75 KB, 128: 50-53 KB,
@@ -163,9 +163,10 @@ __device__ inline uint64_t smem_desc(uint32_t addr) {
 #define PAGEDQ_ACC32(d) PAGEDQ_ACC8(d, 0), PAGEDQ_ACC8(d, 8), PAGEDQ_ACC8(d, 16), PAGEDQ_ACC8(d, 24)
 #define PAGEDQ_ACC64(d) \
   PAGEDQ_ACC32(d), PAGEDQ_ACC8(d, 32), PAGEDQ_ACC8(d, 40), PAGEDQ_ACC8(d, 48), PAGEDQ_ACC8(d, 56)
-#define PAGEDQ_ACC128(d)                                                                    \
-  PAGEDQ_ACC64(d), PAGEDQ_ACC8(d, 64), PAGEDQ_ACC8(d, 72), PAGEDQ_ACC8(d, 80), PAGEDQ_ACC8(d, 88), \
-      PAGEDQ_ACC8(d, 96), PAGEDQ_ACC8(d, 104), PAGEDQ_ACC8(d, 112), PAGEDQ_ACC8(d, 120)
+#define PAGEDQ_ACC128(d)                                                                   \
+  PAGEDQ_ACC64(d), PAGEDQ_ACC8(d, 64), PAGEDQ_ACC8(d, 72), PAGEDQ_ACC8(d, 80),                \
+      PAGEDQ_ACC8(d, 88), PAGEDQ_ACC8(d, 96), PAGEDQ_ACC8(d, 104), PAGEDQ_ACC8(d, 112),        \
+      PAGEDQ_ACC8(d, 120)
 #define PAGEDQ_REGS32                                                                            \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -173,12 +174,12 @@ __device__ inline uint64_t smem_desc(uint32_t addr) {
   PAGEDQ_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
                 "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
                 "%62, %63"
-#define PAGEDQ_REGS128 \
-  PAGEDQ_REGS64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79," \
-  " %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95," \
-  " %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109," \
-  " %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122," \
-  " %123, %124, %125, %126, %127"
+#define PAGEDQ_REGS128                                                                           \
+  PAGEDQ_REGS64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, " \
+                "%79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, "  \
+                "%94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, "     \
+                "%107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, "     \
+                "%119, %120, %121, %122, %123, %124, %125, %126, %127"
 // acc (+)= A B: A from registers a[0..3], B from descriptor b; the predicate from `keep` picks
 // accumulate (1) or overwrite (0). REGS / A / B / KEEP name the operands' PTX numbers; the
 // accumulator operands come last.
@@ -355,7 +356,9 @@ __device__ inline void gemm_part(const unsigned char* st, uint32_t x_addr, int p
     const int p = kQuarters * part + sl / 2, s = sl % 2;
     const uint64_t desc = smem_desc(x_addr + (p / 2) * S::kXHalf + 64 * (p % 2) + 32 * s);
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) Wgmma<T, BT>::run(acc[mt], a[sl][mt], desc, !(fresh && sl == 0));
+    for (int mt = 0; mt < kMT; ++mt) {
+      Wgmma<T, BT>::run(acc[mt], a[sl][mt], desc, !(fresh && sl == 0));
+    }
   }
   wgmma_commit();
 }
@@ -399,10 +402,8 @@ __device__ inline void gemm_write(const GemmParams& p, int m0, int n0,
 // fragment order: coalesced).
 template <int BT>
 __device__ inline float* gemm_slot(const GemmParams& p, int cta, int v) {
-  return p.workspace +
-         ((static_cast<int64_t>(cta) * GemmTile<BT>::kPieces + v) * kGemmThreads +
-          consumer_thread()) *
-             4;
+  const int64_t piece = static_cast<int64_t>(cta) * GemmTile<BT>::kPieces + v;
+  return p.workspace + (piece * kGemmThreads + consumer_thread()) * 4;
 }
 __device__ inline void store_slot4(float* at, float a, float b, float c, float d) {
   asm volatile("st.relaxed.gpu.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(at), "f"(a), "f"(b),
