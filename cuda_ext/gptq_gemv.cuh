@@ -65,11 +65,16 @@ constexpr int kBlockK = 128;  // input rows per packed block
 constexpr int kTileN = 64;    // output columns per tile (one warp covers all of them)
 constexpr int kWarps = 4;     // warps per CTA
 constexpr int kThreads = kWarps * 32;
-// The grid has at most this many CTAs per column tile, so about as many share a tile: the owner
-// of a split tile waits for contributors whose whole range lies inside it (H200, M = 1 / 4 / 8 /
-// 16 stacks: 5 per tile 1.183 / 1.319 / 1.552 / 2.159 ms, 4 per tile 1.186 / 1.274 / 1.499 /
-// 2.062, no cap 1.230 / 1.320 / 1.552 / 2.155).
+// The grid has at most max_sharers CTAs per column tile, so about as many share a tile: the
+// owner of a split tile waits for contributors whose whole range lies inside it (H200, M = 1 / 4
+// / 8 / 16 stacks: 5 per tile 1.183 / 1.319 / 1.552 / 2.159 ms, 4 per tile 1.186 / 1.274 / 1.499
+// / 2.062, no cap 1.230 / 1.320 / 1.552 / 2.155). One exception: a single token with more than
+// 32 blocks (down, K = 11008) takes 5, 8.9 µs against 9.7 (M=1 stack 1.160 vs 1.180); 6 or 8 gave
+// 9.2-9.3, and at M = 4..16 down lost with 5 (M=16: 16.3 vs 14.9 µs; gptq_w4a_2026-11-30s).
 constexpr int kMaxSharers = 4;
+__host__ __device__ inline int max_sharers(int m, int num_blocks) {
+  return m == 1 && num_blocks > 32 ? kMaxSharers + 1 : kMaxSharers;
+}
 // Ring slots per warp: 3 up to 8 tokens (H200: 4 was no faster and fits 2 CTAs/SM, not 3); 2 for
 // 16 tokens, whose slots hold twice the activations: with 3, one CTA per SM (M=16 stack 3.11 ms,
 // with 2: 2.49; 2 for 8 tokens was slower: 1.85 vs 1.76).
