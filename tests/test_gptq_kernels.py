@@ -191,11 +191,12 @@ def host_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (64, 86, [396, 256, 320, 5504]),  # down 11008 -> 4096
         (1, 1, [1]),
         (3, 5, [1, 2, 4, 7, 14, 15]),
-        # the wgmma GEMM's grids (one CTA per SM; tiles of 256 columns x 64 or 128 rows)
-        (172, 32, [132]),  # gate_up at M=256, 128-row tiles
+        # the wgmma GEMM's grids (one CTA per SM; tiles of 256 columns x 64 or 128 rows, or of
+        # 128 columns x 256 rows)
+        (172, 32, [132]),  # gate_up at M=256 (either tile of 128 or 256 rows)
         (64, 32, [132]),  # o at M=256, 64-row tiles (forced)
-        (32, 86, [132, 128]),  # down at M=256, 128-row tiles (stream-K; exact split in 4)
-        (16, 32, [128]),  # o at M=128, 128-row tiles: an exact split in 8
+        (32, 86, [132, 128]),  # down at M=256 (stream-K; exact split in 4)
+        (16, 32, [128]),  # o at M=128 with 128-row tiles (forced): an exact split in 8
     ],
 )
 def test_cuda_kernel_work_split_on_host(
