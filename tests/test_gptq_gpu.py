@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedq.gptq.linear import GPTQLinear
+from pagedq.ops import gptq as gptq_ops
 from pagedq.ops.gptq import BACKEND_ENV, cuda_workspace, gptq_matmul_reference, select_path
 from tests.test_gptq_linear import make_checkpoint, reference_output
 
@@ -214,15 +215,13 @@ def test_cuda_gemm_every_tile_height(  # type: ignore[no-untyped-def]
 ) -> None:
     """The wgmma GEMM with each tile height the rule can pick, forced whatever M: 64- and
     128-row tiles of 256 columns, 256-row tiles of 128 columns."""
-    from pagedq.ops import gptq as ops
-
     ck = make_checkpoint(
         seed=m + k + n + tile, k=k, n=n, group_size=group_size, zero_mode=zero_mode,
         desc_act=True, bias=True,
     )  # fmt: skip
     lin = GPTQLinear([ck.tensors], ck.config, dtype, device="cuda")
     monkeypatch.setenv(BACKEND_ENV, "cuda")
-    monkeypatch.setattr(ops, "cuda_gemm_tile", lambda *_: tile)
+    monkeypatch.setattr(gptq_ops, "cuda_gemm_tile", lambda *_: tile)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     if select_path(x, lin.segment(0)[0]) != "cuda_gemm":
         pytest.skip("CUDA extension unavailable (see the warning), or the GEMM needs sm_90")
