@@ -250,6 +250,31 @@ def test_gemm_kernel_compiles_for_every_extension_architecture(tmp_path: Path, a
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_gemm_wgmmas_are_not_serialized(tmp_path: Path) -> None:
+    """ptxas keeps each block half's wgmmas in flight together. It silently waits after every
+    wgmma when it cannot prove the pipeline safe (info C7513 / C7518, "Potential Performance
+    Loss"); a dev prototype ran 1.7x slower that way (gptq_w4a_2026-11-30s_notes.md)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    src = tmp_path / "instantiate.cu"
+    src.write_text(
+        '#include "gptq_gemm.cuh"\n'
+        + "".join(
+            f"template __global__ void pagedq::gptq::gptq_gemm_kernel<__half, {bt}, {pq}>(\n"
+            "    const pagedq::gptq::GemmParams, const __grid_constant__ CUtensorMap);\n"
+            for bt, pq in ((64, "true"), (256, "false"))
+        )
+    )
+    cmd = [nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v"]
+    done = subprocess.run(
+        [*cmd, f"-I{ROOT / 'cuda_ext'}", "-c", str(src), "-o", str(tmp_path / "k.o")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Potential Performance Loss" not in done.stderr, done.stderr[-2000:]
+
+
 # --- the Triton kernels through the real compiler (sm_90), no GPU needed ------------------
 
 AOT_VARIANTS = [  # (kernel, dtype, BLOCK_M, BLOCK_N, SCALE_MODE, HAS_ZEROS, HAS_BIAS, USE_SPLIT_K,
