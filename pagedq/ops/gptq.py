@@ -61,7 +61,7 @@ _GEMM_COST = {
     128: (1.73, 7.99, 4.68, 3.77),
     256: (1.56, 7.99, 4.68, 3.77),
 }
-_GEMM_TILE_COLS = {64: 256, 128: 256, 256: 128}  # output columns per tile, by tile height
+_GEMM_TILE_COLS = {64: 256, 128: 256, 256: 128}  # columns per tile by height (GemmTile::kCols)
 
 BLOCK_K = 128  # input rows per packed block (the interleave period of `qweight`)
 MIN_LOCKS = 1024  # arrival counters of split tiles per weight (>= tiles of any launch)
