@@ -479,7 +479,19 @@ __device__ inline void write_out(const Params& p, int tile, int m, int col, floa
 
 // An unwritten workspace value: a NaN that no arithmetic returns (the GPU's NaN is 0x7FFFFFFF).
 constexpr uint32_t kEmpty = 0xFFFFFFFFu;
-constexpr int kReadAhead = 8;  // slot reads in flight at once in finish
+// finish: a thread's values of a tile, and the contributors whose slots it reads in one round
+// trip: all its values of each, about kReadsInFlight reads at once. Rounds used to go value by
+// value, each a round trip, 8 of them at 16 tokens (H200 stacks, M = 1 / 8 / 16: 1.191 / 1.503 /
+// 2.077 ms; by contributor with 4 in flight: 1.183 / 1.370 / 1.774; 8 or 16 in flight: no faster).
+constexpr int kReadsInFlight = 4;
+template <int TOK>
+__host__ __device__ constexpr int values_per_thread() {
+  return (TOK * kTileN + kThreads - 1) / kThreads;
+}
+template <int TOK>
+__host__ __device__ constexpr int slots_per_round() {
+  return values_per_thread<TOK>() >= kReadsInFlight ? 1 : kReadsInFlight / values_per_thread<TOK>();
+}
 
 // Workspace values are read while other CTAs write them: relaxed GPU-scope accesses, each 32-bit
 // value on its own (no ordering between values is needed).
@@ -516,33 +528,49 @@ __device__ inline void flush(const Params& p, int tile, bool whole, const float*
 
 // Once the CTA's range is done: for `owned` (its last segment, a tile it is the first of;
 // -1: none), add the other contributors' slots to red in CTA order as their values arrive, empty
-// the slots and write the sums to out. Polling all of a thread's values at once, as the wgmma
-// GEMM does, was slower here (H200 stack, M=1: 1.22-1.40 ms against 1.19; gptq_w4a_2026-11-30r).
-template <typename T>
-__device__ inline void finish(const Params& p, int owned, const float* red, int64_t items,
+// the slots and write the sums to out. A round reads slots_per_round contributors, all of the
+// thread's values of each; it polls only the values still kEmpty. Polling all of a thread's
+// values for all contributors at once, as the wgmma GEMM does, was slower (H200 stack, M=1:
+// 1.22-1.40 ms against 1.19; gptq_w4a_2026-11-30r).
+template <typename T, int TOK>
+__device__ inline void finish(const Params& p, int owned, float* red, int64_t items,
                               int ctas) {
   if (owned < 0) return;
+  constexpr int kPer = values_per_thread<TOK>(), kRound = slots_per_round<TOK>();
   int first, last;
   contributors(p, owned, items, ctas, first, last);
   const int valid = p.M * kTileN;
-  for (int i = threadIdx.x; i < valid; i += kThreads) {
-    float v = red[i];  // fixed CTA order: deterministic
-    for (int c0 = first + 1; c0 <= last; c0 += kReadAhead) {
-      uint32_t bits[kReadAhead];  // one round trip for up to kReadAhead slots
+  for (int c0 = first + 1; c0 <= last; c0 += kRound) {  // fixed CTA order: deterministic
+    uint32_t bits[kRound][kPer];  // one round trip for all of them
 #pragma unroll
-      for (int j = 0; j < kReadAhead; ++j) {
-        if (c0 + j <= last) bits[j] = load_slot(p.workspace + (c0 + j) * valid + i);
-      }
+    for (int c = 0; c < kRound; ++c) {
 #pragma unroll
-      for (int j = 0; j < kReadAhead; ++j) {
-        if (c0 + j > last) break;
-        float* at = p.workspace + (c0 + j) * valid + i;
-        while (bits[j] == kEmpty) bits[j] = load_slot(at);
-        v += __uint_as_float(bits[j]);
-        store_slot(at, __uint_as_float(kEmpty));
+      for (int j = 0; j < kPer; ++j) {
+        const int i = threadIdx.x + j * kThreads;
+        if (c0 + c <= last && i < valid) bits[c][j] = load_slot(p.workspace + (c0 + c) * valid + i);
       }
     }
-    if (owned * kTileN + i % kTileN < p.N) write_out<T>(p, owned, i / kTileN, i % kTileN, v);
+#pragma unroll
+    for (int c = 0; c < kRound; ++c) {
+      if (c0 + c > last) break;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int i = threadIdx.x + j * kThreads;
+        if (i < valid) {
+          float* at = p.workspace + (c0 + c) * valid + i;
+          while (bits[c][j] == kEmpty) bits[c][j] = load_slot(at);
+          red[i] += __uint_as_float(bits[c][j]);  // the thread's own values
+          store_slot(at, __uint_as_float(kEmpty));
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i < valid && owned * kTileN + i % kTileN < p.N) {
+      write_out<T>(p, owned, i / kTileN, i % kTileN, red[i]);
+    }
   }
 }
 
@@ -655,7 +683,7 @@ __device__ inline void gemv_body(const Params& p) {
     if (!more) break;
   }
   cp_async_wait<0>();
-  finish<T>(p, owned, red, items, ctas);
+  finish<T, TOK>(p, owned, red, items, ctas);
 }
 
 template <typename T, int TOK, bool PQ>
