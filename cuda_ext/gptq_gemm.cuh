@@ -405,19 +405,6 @@ __device__ inline float* gemm_slot(const GemmParams& p, int cta, int v) {
   const int64_t piece = static_cast<int64_t>(cta) * GemmTile<BT>::kPieces + v;
   return p.workspace + (piece * kGemmThreads + consumer_thread()) * 4;
 }
-__device__ inline void store_slot4(float* at, float a, float b, float c, float d) {
-  asm volatile("st.relaxed.gpu.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(at), "f"(a), "f"(b),
-               "f"(c), "f"(d)
-               : "memory");
-}
-__device__ inline uint4 load_slot4(const float* at) {
-  uint4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(at)
-               : "memory");
-  return v;
-}
 
 // Add pieces [v0, v0 + 8) of CTA c's slot that lie in [lo, hi) to acc as they land, and empty
 // them. Every round re-reads all the pieces still empty at once: polling them one at a time cost
@@ -442,8 +429,7 @@ __device__ inline void add_slot(const GemmParams& p, int c, int v0, int lo, int 
     }
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
-      if (!(pending >> u & 1) || got[u].x == kEmpty || got[u].y == kEmpty ||
-          got[u].z == kEmpty || got[u].w == kEmpty) {
+      if (!(pending >> u & 1) || any_empty(got[u])) {
         continue;  // a piece may land in parts: it counts once whole
       }
       const int i = 4 * (v0 + u);  // value i..i+3: accumulator (i / (BT / 2), i % (BT / 2))

@@ -437,32 +437,49 @@ __device__ inline void compute(const Stage<MT, PQ>& s, float (&acc)[MT][4][4]) {
   }
 }
 
-// Sum the warps' accumulators into red[token * kTileN + col] (kWarps planes of fp32 in smem).
+// The reduction planes in shared memory: kWarps planes of 8 * MT token rows of kTileN fp32 values,
+// rows kRedStride floats apart so that the 16-byte stores of a phase (8 lanes, rows 2t + r,
+// columns 4g..) hit distinct banks. The end phase moves 16-byte units of 4 columns: unit u of a
+// tile is row u / kUnitsPerRow, columns 4 (u % kUnitsPerRow) ..; thread threadIdx.x takes units
+// threadIdx.x + j * kThreads in reduce_warps, flush and finish alike, so it only ever reads
+// back units it summed itself.
+constexpr int kRedStride = kTileN + 4;
+constexpr int kUnitsPerRow = kTileN / 4;
+__device__ inline float* unit_at(float* red, int u) {
+  return red + u / kUnitsPerRow * kRedStride + u % kUnitsPerRow * 4;
+}
+
+// Sum the warps' accumulators of the first M token rows into plane 0 of red. No barrier after
+// the sums: see kRedStride.
 template <int MT>
-__device__ inline void reduce_warps(const float (&acc)[MT][4][4], float* red) {
+__device__ inline void reduce_warps(const Params& p, const float (&acc)[MT][4][4], float* red) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  constexpr int kPlane = 8 * MT * kTileN;
+  constexpr int kPlane = 8 * MT * kRedStride;
   float* mine = red + warp * kPlane;
 #pragma unroll
   for (int tt = 0; tt < MT; ++tt) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int col0 = 4 * g + c, col1 = 32 + 4 * g + c, tok = 8 * tt + 2 * t;
-      mine[tok * kTileN + col0] = acc[tt][c][0];
-      mine[(tok + 1) * kTileN + col0] = acc[tt][c][1];
-      mine[tok * kTileN + col1] = acc[tt][c][2];
-      mine[(tok + 1) * kTileN + col1] = acc[tt][c][3];
+    for (int e = 0; e < 4; ++e) {  // acc[tt][c][e]: token 8 tt + 2t + e % 2, column 32 (e / 2) + 4g + c
+      const int row = 8 * tt + 2 * t + e % 2, col = 32 * (e / 2) + 4 * g;
+      *reinterpret_cast<float4*>(mine + row * kRedStride + col) =
+          make_float4(acc[tt][0][e], acc[tt][1][e], acc[tt][2][e], acc[tt][3][e]);
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < kPlane; i += kThreads) {
-    float v = red[i];
+  for (int u = threadIdx.x; u < p.M * kUnitsPerRow; u += kThreads) {
+    float4* sum = reinterpret_cast<float4*>(unit_at(red, u));
+    float4 v = *sum;
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) v += red[w * kPlane + i];
-    red[i] = v;
+    for (int w = 1; w < kWarps; ++w) {
+      const float4 o = sum[w * kPlane / 4];
+      v.x += o.x;
+      v.y += o.y;
+      v.z += o.z;
+      v.w += o.w;
+    }
+    *sum = v;
   }
-  __syncthreads();
 }
 
 // The CTA owning item i when `items` are split over `ctas` (ctas <= items).
@@ -470,38 +487,56 @@ __host__ __device__ inline int owner(int64_t i, int64_t items, int ctas) {
   return static_cast<int>(((i + 1) * ctas - 1) / items);
 }
 
+// out[m, n..n+3] = v (+ bias), n = tile * kTileN + col (N % 8 == 0: the 4 columns exist
+// together), as one 8-byte store.
 template <typename T>
-__device__ inline void write_out(const Params& p, int tile, int m, int col, float v) {
+__device__ inline void write_out4(const Params& p, int tile, int m, int col, const float* v) {
   const int n = tile * kTileN + col;
-  if (p.bias != nullptr) v += Dtype<T>::to_float(static_cast<const uint16_t*>(p.bias)[n]);
-  static_cast<uint16_t*>(p.out)[static_cast<int64_t>(m) * p.N + n] = Dtype<T>::from_float(v);
+  uint32_t half[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float f = v[e];
+    if (p.bias != nullptr) f += Dtype<T>::to_float(static_cast<const uint16_t*>(p.bias)[n + e]);
+    half[e] = Dtype<T>::from_float(f);
+  }
+  *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + static_cast<int64_t>(m) * p.N + n) =
+      make_uint2(half[0] | half[1] << 16, half[2] | half[3] << 16);
 }
 
 // An unwritten workspace value: a NaN that no arithmetic returns (the GPU's NaN is 0x7FFFFFFF).
 constexpr uint32_t kEmpty = 0xFFFFFFFFu;
-// finish: a thread's values of a tile, and the contributors whose slots it reads in one round
-// trip: all its values of each, about kReadsInFlight reads at once. Rounds used to go value by
-// value, each a round trip, 8 of them at 16 tokens (H200 stacks, M = 1 / 8 / 16: 1.191 / 1.503 /
-// 2.077 ms; by contributor with 4 in flight: 1.183 / 1.370 / 1.774; 8 or 16 in flight: no faster).
+
+// finish: a thread's units of a tile, and the contributors whose slots it reads in one round
+// trip: all its units of each, about kReadsInFlight 16-byte reads at once. Rounds used to go
+// value by value, each a round trip, 8 of them at 16 tokens (H200 stacks, M = 1 / 8 / 16: 1.191 /
+// 1.503 / 2.077 ms; by contributor, 4 values in flight: 1.183 / 1.370 / 1.774; 8 or 16: no faster).
 constexpr int kReadsInFlight = 4;
 template <int TOK>
-__host__ __device__ constexpr int values_per_thread() {
-  return (TOK * kTileN + kThreads - 1) / kThreads;
+__host__ __device__ constexpr int units_per_thread() {
+  return (TOK * kUnitsPerRow + kThreads - 1) / kThreads;
 }
 template <int TOK>
 __host__ __device__ constexpr int slots_per_round() {
-  return values_per_thread<TOK>() >= kReadsInFlight ? 1 : kReadsInFlight / values_per_thread<TOK>();
+  return units_per_thread<TOK>() >= kReadsInFlight ? 1 : kReadsInFlight / units_per_thread<TOK>();
 }
 
-// Workspace values are read while other CTAs write them: relaxed GPU-scope accesses, each 32-bit
-// value on its own (no ordering between values is needed).
-__device__ inline void store_slot(float* at, float v) {
-  asm volatile("st.relaxed.gpu.global.f32 [%0], %1;" ::"l"(at), "f"(v) : "memory");
+// Workspace values are read while other CTAs write them: relaxed GPU-scope accesses, 16 bytes
+// at a time; each 32-bit value lands on its own (no ordering between values is needed).
+__device__ inline void store_slot4(float* at, float a, float b, float c, float d) {
+  asm volatile("st.relaxed.gpu.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(at), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
 }
-__device__ inline uint32_t load_slot(const float* at) {
-  uint32_t bits;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(bits) : "l"(at) : "memory");
-  return bits;
+__device__ inline uint4 load_slot4(const float* at) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(at)
+               : "memory");
+  return v;
+}
+__device__ inline bool any_empty(const uint4& v) {
+  return v.x == kEmpty || v.y == kEmpty || v.z == kEmpty || v.w == kEmpty;
 }
 
 // The CTAs sharing tile `tile`: first..last (owners of its first and last item).
@@ -512,16 +547,16 @@ __host__ __device__ inline void contributors(const Params& p, int tile, int64_t 
 }
 
 // Write the CTA's sums `red` for `tile`: to out when it owns the whole tile, else to its
-// workspace slot (CTA first keeps them in red instead, see finish).
+// workspace slot ([M][kTileN] fp32; CTA first keeps them in red instead, see finish).
 template <typename T>
-__device__ inline void flush(const Params& p, int tile, bool whole, const float* red) {
-  const int valid = p.M * kTileN;  // red rows past M are not written
-  float* slot = p.workspace + static_cast<int64_t>(blockIdx.x) * valid;
-  for (int i = threadIdx.x; i < valid; i += kThreads) {
+__device__ inline void flush(const Params& p, int tile, bool whole, float* red) {
+  float* slot = p.workspace + static_cast<int64_t>(blockIdx.x) * p.M * kTileN;
+  for (int u = threadIdx.x; u < p.M * kUnitsPerRow; u += kThreads) {
+    const float* v = unit_at(red, u);
     if (!whole) {
-      store_slot(slot + i, red[i]);
-    } else if (tile * kTileN + i % kTileN < p.N) {
-      write_out<T>(p, tile, i / kTileN, i % kTileN, red[i]);
+      store_slot4(slot + 4 * u, v[0], v[1], v[2], v[3]);
+    } else if (tile * kTileN + u % kUnitsPerRow * 4 < p.N) {
+      write_out4<T>(p, tile, u / kUnitsPerRow, u % kUnitsPerRow * 4, v);
     }
   }
 }
@@ -536,18 +571,21 @@ template <typename T, int TOK>
 __device__ inline void finish(const Params& p, int owned, float* red, int64_t items,
                               int ctas) {
   if (owned < 0) return;
-  constexpr int kPer = values_per_thread<TOK>(), kRound = slots_per_round<TOK>();
+  constexpr int kPer = units_per_thread<TOK>(), kRound = slots_per_round<TOK>();
   int first, last;
   contributors(p, owned, items, ctas, first, last);
-  const int valid = p.M * kTileN;
+  const int units = p.M * kUnitsPerRow;
+  const int64_t slot_floats = static_cast<int64_t>(units) * 4;
   for (int c0 = first + 1; c0 <= last; c0 += kRound) {  // fixed CTA order: deterministic
-    uint32_t bits[kRound][kPer];  // one round trip for all of them
+    uint4 bits[kRound][kPer];  // one round trip for all of them
 #pragma unroll
     for (int c = 0; c < kRound; ++c) {
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
-        const int i = threadIdx.x + j * kThreads;
-        if (c0 + c <= last && i < valid) bits[c][j] = load_slot(p.workspace + (c0 + c) * valid + i);
+        const int u = threadIdx.x + j * kThreads;
+        if (c0 + c <= last && u < units) {
+          bits[c][j] = load_slot4(p.workspace + (c0 + c) * slot_floats + 4 * u);
+        }
       }
     }
 #pragma unroll
@@ -555,21 +593,26 @@ __device__ inline void finish(const Params& p, int owned, float* red, int64_t it
       if (c0 + c > last) break;
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
-        const int i = threadIdx.x + j * kThreads;
-        if (i < valid) {
-          float* at = p.workspace + (c0 + c) * valid + i;
-          while (bits[c][j] == kEmpty) bits[c][j] = load_slot(at);
-          red[i] += __uint_as_float(bits[c][j]);  // the thread's own values
-          store_slot(at, __uint_as_float(kEmpty));
+        const int u = threadIdx.x + j * kThreads;
+        if (u < units) {
+          float* at = p.workspace + (c0 + c) * slot_floats + 4 * u;
+          while (any_empty(bits[c][j])) bits[c][j] = load_slot4(at);  // values land one by one
+          float* sum = unit_at(red, u);  // a unit the thread summed itself
+          sum[0] += __uint_as_float(bits[c][j].x);
+          sum[1] += __uint_as_float(bits[c][j].y);
+          sum[2] += __uint_as_float(bits[c][j].z);
+          sum[3] += __uint_as_float(bits[c][j].w);
+          const float empty = __uint_as_float(kEmpty);
+          store_slot4(at, empty, empty, empty, empty);
         }
       }
     }
   }
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    if (i < valid && owned * kTileN + i % kTileN < p.N) {
-      write_out<T>(p, owned, i / kTileN, i % kTileN, red[i]);
+    const int u = threadIdx.x + j * kThreads;
+    if (u < units && owned * kTileN + u % kUnitsPerRow * 4 < p.N) {
+      write_out4<T>(p, owned, u / kUnitsPerRow, u % kUnitsPerRow * 4, unit_at(red, u));
     }
   }
 }
@@ -596,7 +639,7 @@ __host__ __device__ inline Segment segment_at(const Params& p, int64_t item, int
 template <int TOK, bool PQ>
 constexpr size_t smem_bytes() {
   return sizeof(Slot<TOK, PQ>) * stages<TOK>() * kWarps +
-         sizeof(float) * kWarps * 8 * Slot<TOK, PQ>::kMT * kTileN;
+         sizeof(float) * kWarps * 8 * Slot<TOK, PQ>::kMT * kRedStride;
 }
 
 // The kernel for one zero-point mode (Z: zeros given).
@@ -672,7 +715,7 @@ __device__ inline void gemv_body(const Params& p) {
         cp_async_commit();
       }
     }
-    reduce_warps<MT>(acc, red);
+    reduce_warps<MT>(p, acc, red);
     const bool whole = done.b0 == 0 && done.b1 == p.num_blocks;
     if (!whole && done.b0 == 0) {
       owned = done.tile;  // the CTA is the tile's first contributor: red stays for finish
