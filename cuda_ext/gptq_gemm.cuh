@@ -28,9 +28,9 @@
 // block). Each block is two halves of four k16 slices whose A fragments live in two register
 // sets, so one half's wgmmas run while the next half is dequantized (wgmma.wait_group 1).
 //
-// Work split, as in gptq_gemv.cuh: items are (tile, block) in tile-major order, tiles
-// (column tile, token tile) with the token tiles of a column tile adjacent; the persistent grid
-// gives CTA c the items [c * items / C, (c + 1) * items / C). A split tile is finished by the
+// Work split, as in gptq_gemv.cuh (Split, with runs of one block): items are (tile, block) in
+// tile-major order, tiles (column tile, token tile) with the token tiles of a column tile
+// adjacent; the persistent grid gives CTA c the items [c * items / C, (c + 1) * items / C). A split tile is finished by the
 // CTA owning its first block (that segment is the CTA's last): the other contributors store
 // their accumulators to workspace slot `cta` (one per CTA, fragment order, all kEmpty between
 // launches) and the owner adds them in CTA order as they land. Where the tiles fit on the GPU,
@@ -449,10 +449,9 @@ __device__ inline void add_slot(const GemmParams& p, int c, int v0, int lo, int 
 // not depend on timing).
 template <int BT>
 __device__ inline void gemm_finish(const GemmParams& p, int tile,
-                                   float (&acc)[GemmTile<BT>::kMT][BT / 2],
-                                   int64_t items, int ctas) {
-  const int first = owner(static_cast<int64_t>(tile) * p.num_blocks, items, ctas);
-  const int last = owner(static_cast<int64_t>(tile + 1) * p.num_blocks - 1, items, ctas);
+                                   float (&acc)[GemmTile<BT>::kMT][BT / 2], int ctas) {
+  int first, last;
+  Split(p.tiles_n * p.tiles_m, p.num_blocks, 1, ctas).contributors(tile, first, last);
   for (int c = first + 1; c <= last; ++c) {
 #pragma unroll
     for (int v0 = 0; v0 < GemmTile<BT>::kPieces; v0 += 8) {
@@ -603,7 +602,7 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
     if (p.split > 1) {  // an exact split: the tile of the CTA's only segment
       gemm_share<T, BT>(p, m0, n0, acc);
     } else {
-      gemm_finish<BT>(p, owned, acc, items, ctas);
+      gemm_finish<BT>(p, owned, acc, ctas);
       gemm_write<T, BT>(p, m0, n0, acc);
     }
   }

@@ -45,11 +45,11 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   p.num_blocks = (p.K + gptq::kBlockK - 1) / gptq::kBlockK;
   const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;
   const auto [kernel, smem] = variant<T>(p.M, per_quarter);
-  const int64_t items = static_cast<int64_t>(p.tiles) * p.num_blocks;
   const int resident = gptq_host::resident_ctas(
       "gptq_gemv", reinterpret_cast<const void*>(kernel), gptq::kThreads, smem, device);
   const int64_t sharers = gptq::max_sharers(p.M, p.num_blocks);
-  const int ctas = static_cast<int>(std::min<int64_t>({resident, items, sharers * p.tiles}));
+  const int64_t runs = gptq::Split(p.tiles, p.num_blocks, gptq::kWarps, 1).runs;
+  const int ctas = static_cast<int>(std::min<int64_t>({resident, runs, sharers * p.tiles}));
 
   const int64_t slots = int64_t{ctas} * p.M * gptq::kTileN;
   TORCH_CHECK(workspace.numel() >= slots, "gptq_gemv: ", ctas, " CTAs x ", p.M, " rows x ",

@@ -7,10 +7,12 @@
 // nibble p + 4h (bits 4p + 16h ..) of word row 16b + r is input row 128b + 32p + 2r + h. scales /
 // zeros are [G, N] in T; zeros hold z' as exact integers (nullptr: every z' is 8).
 //
-// Work split. Items are (column tile of kTileN = 64 columns, 128-row block), in tile-major order.
-// The grid is persistent (one CTA per resident slot) and CTA c owns the contiguous item range
-// [c * items / C, (c + 1) * items / C): every SM streams the same bytes whatever the layer's shape
-// ("stream-K"). A CTA walks its range one tile segment at a time; warp w takes the segment's
+// Work split. Items are (column tile of kTileN = 64 columns, 128-row block), in tile-major order,
+// cut into runs of kWarps blocks (a tile's last run may be shorter). The grid is persistent (one
+// CTA per resident slot) and CTA c owns runs [c * runs / C, (c + 1) * runs / C), a contiguous item
+// range: every SM streams about the same bytes whatever the layer's shape ("stream-K"), and a
+// CTA's segments are whole runs, so its warps get equal block counts except in a tile's last run
+// (see Split). A CTA walks its range one tile segment at a time; warp w takes the segment's
 // blocks w, w + 4, ... through its own ring of shared-memory slots filled by cp.async, keeping
 // STAGES - 1 blocks in flight while it computes one. Each lane reads back only what it copied,
 // so the ring needs cp.async waits and no barriers. The next segment's first loads are issued
@@ -482,10 +484,35 @@ __device__ inline void reduce_warps(const Params& p, const float (&acc)[MT][4][4
   }
 }
 
-// The CTA owning item i when `items` are split over `ctas` (ctas <= items).
-__host__ __device__ inline int owner(int64_t i, int64_t items, int ctas) {
-  return static_cast<int>(((i + 1) * ctas - 1) / items);
-}
+// The stream-K split: items (column tile, 128-row block) in tile-major order, cut into runs of
+// `run` blocks (a tile's last run may be shorter); CTA c of `ctas` (<= runs) takes runs
+// [c * runs / ctas, (c + 1) * runs / ctas). The GEMV's runs are kWarps blocks: split at single
+// blocks, a CTA's segments had up to a block more for some warps than for others, and the CTA
+// waits for its slowest warp at every segment's end (H200: ...). The wgmma GEMM's runs are
+// single blocks (one consumer pair takes all of a block).
+struct Split {
+  int64_t runs;
+  int per_tile, run, num_blocks, ctas;
+  __host__ __device__ Split(int tiles, int num_blocks_, int run_, int ctas_)
+      : runs(static_cast<int64_t>(tiles) * ((num_blocks_ + run_ - 1) / run_)),
+        per_tile((num_blocks_ + run_ - 1) / run_),
+        run(run_),
+        num_blocks(num_blocks_),
+        ctas(ctas_) {}
+  __host__ __device__ int64_t item(int64_t r) const {  // the first item of run r
+    return r / per_tile * num_blocks + r % per_tile * run;
+  }
+  __host__ __device__ int64_t begin(int c) const { return item(c * runs / ctas); }
+  __host__ __device__ int64_t end(int c) const { return begin(c + 1); }
+  __host__ __device__ int owner(int64_t r) const {  // the CTA taking run r
+    return static_cast<int>(((r + 1) * ctas - 1) / runs);
+  }
+  // The CTAs sharing tile `tile`: first..last (owners of its first and last runs).
+  __host__ __device__ void contributors(int tile, int& first, int& last) const {
+    first = owner(static_cast<int64_t>(tile) * per_tile);
+    last = owner(static_cast<int64_t>(tile + 1) * per_tile - 1);
+  }
+};
 
 // out[m, n..n+3] = v (+ bias), n = tile * kTileN + col (N % 8 == 0: the 4 columns exist
 // together), as one 8-byte store.
@@ -539,13 +566,6 @@ __device__ inline bool any_empty(const uint4& v) {
   return v.x == kEmpty || v.y == kEmpty || v.z == kEmpty || v.w == kEmpty;
 }
 
-// The CTAs sharing tile `tile`: first..last (owners of its first and last item).
-__host__ __device__ inline void contributors(const Params& p, int tile, int64_t items, int ctas,
-                                             int& first, int& last) {
-  first = owner(static_cast<int64_t>(tile) * p.num_blocks, items, ctas);
-  last = owner(static_cast<int64_t>(tile + 1) * p.num_blocks - 1, items, ctas);
-}
-
 // Write the CTA's sums `red` for `tile`: to out when it owns the whole tile, else to its
 // workspace slot ([M][kTileN] fp32; CTA first keeps them in red instead, see finish).
 template <typename T>
@@ -568,12 +588,11 @@ __device__ inline void flush(const Params& p, int tile, bool whole, float* red) 
 // values for all contributors at once, as the wgmma GEMM does, was slower (H200 stack, M=1:
 // 1.22-1.40 ms against 1.19; gptq_w4a_2026-11-30r).
 template <typename T, int TOK>
-__device__ inline void finish(const Params& p, int owned, float* red, int64_t items,
-                              int ctas) {
+__device__ inline void finish(const Params& p, int owned, float* red, const Split& split) {
   if (owned < 0) return;
   constexpr int kPer = units_per_thread<TOK>(), kRound = slots_per_round<TOK>();
   int first, last;
-  contributors(p, owned, items, ctas, first, last);
+  split.contributors(owned, first, last);
   const int units = p.M * kUnitsPerRow;
   const int64_t slot_floats = static_cast<int64_t>(units) * 4;
   for (int c0 = first + 1; c0 <= last; c0 += kRound) {  // fixed CTA order: deterministic
@@ -653,10 +672,8 @@ __device__ inline void gemv_body(const Params& p) {
   float* red = reinterpret_cast<float*>(smem + sizeof(Slot<TOK, PQ>) * kStages * kWarps);
   pdl_launch_dependents();
 
-  const int ctas = gridDim.x;
-  const int64_t items = static_cast<int64_t>(p.tiles) * p.num_blocks;
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * items / ctas;
-  const int64_t end = static_cast<int64_t>(blockIdx.x + 1) * items / ctas;
+  const Split split(p.tiles, p.num_blocks, kWarps, gridDim.x);
+  const int64_t begin = split.begin(blockIdx.x), end = split.end(blockIdx.x);
   int owned = -1;  // the split tile this CTA finishes (see finish)
 
   // --- the first segment's weights go out before waiting for the previous kernel
@@ -726,7 +743,7 @@ __device__ inline void gemv_body(const Params& p) {
     if (!more) break;
   }
   cp_async_wait<0>();
-  finish<T, TOK>(p, owned, red, items, ctas);
+  finish<T, TOK>(p, owned, red, split);
 }
 
 template <typename T, int TOK, bool PQ>

@@ -1,13 +1,15 @@
 // Checks the CUDA kernel's work split and shared-memory placement on the CPU (no GPU needed).
 //
-// Usage: host_check TILES NUM_BLOCKS CTAS... Each CTA count is checked with the kernel's own
-// helpers (segment_at, Segment::block, contributors, word_offset from gptq_gemv.cuh):
+// Usage: host_check TILES NUM_BLOCKS RUN CTAS... Each CTA count is checked with the kernels' own
+// helpers (Split with runs of RUN blocks: kWarps for the GEMV, 1 for the wgmma GEMM; segment_at,
+// Segment::block, word_offset from gptq_gemv.cuh):
 // - every item (column tile, 128-row block) is taken by exactly one warp of exactly one CTA;
 // - a tile is written directly by a CTA only when that CTA owns all of it; otherwise its
-//   contributors are exactly the CTAs contributors() names, the tile is the last segment of the
+//   contributors are exactly the CTAs Split::contributors names, the tile is the last segment of the
 //   first of them (which finishes it) and the first segment of each other one (which writes its
 //   partial sums to workspace slot cta);
 // - no CTA writes two partial tiles (so slot cta is enough: the workspace has ctas slots);
+// - every segment is whole runs (only a tile's last run may be short);
 // - each 8-lane phase of a warp's 16-byte ring reads hits 8 distinct 16-byte bank groups.
 // Prints "ok" and exits 0, or names the first violation and exits 1.
 //
@@ -27,10 +29,10 @@ namespace {
 using pagedq::gptq::kBlockK;
 using pagedq::gptq::kTileN;
 using pagedq::gptq::kWarps;
-using pagedq::gptq::contributors;
 using pagedq::gptq::Params;
 using pagedq::gptq::Segment;
 using pagedq::gptq::segment_at;
+using pagedq::gptq::Split;
 using pagedq::gptq::word_offset;
 
 int fail(const char* what, long a, long b, long c) {
@@ -38,24 +40,27 @@ int fail(const char* what, long a, long b, long c) {
   return 1;
 }
 
-int check_split(int tiles, int num_blocks, int ctas) {
+int check_split(int tiles, int num_blocks, int run, int ctas) {
   Params p{};
   p.tiles = tiles;
   p.num_blocks = num_blocks;
   p.N = tiles * kTileN;
   p.K = num_blocks * kBlockK;
   const int64_t items = static_cast<int64_t>(tiles) * num_blocks;
-  if (ctas > items) return fail("more CTAs than items", ctas, items, 0);
+  const Split split(tiles, num_blocks, run, ctas);
+  if (ctas > split.runs) return fail("more CTAs than runs", ctas, split.runs, 0);
   std::vector<int> taken(items, 0);
   std::vector<std::vector<int>> sharing(tiles);  // CTAs flushing a partial of the tile
   std::vector<int> direct(tiles, 0);
   std::set<int> slots;  // CTAs that wrote their workspace slot
   for (int c = 0; c < ctas; ++c) {
-    const int64_t begin = static_cast<int64_t>(c) * items / ctas;
-    const int64_t end = static_cast<int64_t>(c + 1) * items / ctas;
+    const int64_t begin = split.begin(c), end = split.end(c);
     if (begin >= end) return fail("empty CTA", c, begin, end);
     for (int64_t item = begin; item < end;) {
       const Segment s0 = segment_at(p, item, end, 0);
+      if (s0.b0 % run != 0 || (s0.b1 % run != 0 && s0.b1 != num_blocks)) {
+        return fail("a segment not made of whole runs", c, s0.b0, s0.b1);
+      }
       for (int w = 0; w < kWarps; ++w) {
         const Segment s = segment_at(p, item, end, w);
         for (int i = 0; i < s.count; ++i) {
@@ -87,7 +92,7 @@ int check_split(int tiles, int num_blocks, int ctas) {
   }
   for (int t = 0; t < tiles; ++t) {
     int first, last;
-    contributors(p, t, items, ctas, first, last);
+    split.contributors(t, first, last);
     if (direct[t] == 1 && sharing[t].empty() && first == last) continue;
     if (direct[t] != 0) return fail("tile both written directly and split", t, direct[t], 0);
     const int count = static_cast<int>(sharing[t].size());
@@ -143,15 +148,15 @@ int main(int argc, char** argv) {
     std::printf("%d %d\n", ctas, split);
     return 0;
   }
-  if (argc < 4) {
-    std::printf("usage: host_check TILES NUM_BLOCKS CTAS...\n"
+  if (argc < 5) {
+    std::printf("usage: host_check TILES NUM_BLOCKS RUN CTAS...\n"
                 "       host_check grid TILES BLOCKS RESIDENT\n");
     return 2;
   }
-  const int tiles = std::atoi(argv[1]), num_blocks = std::atoi(argv[2]);
+  const int tiles = std::atoi(argv[1]), num_blocks = std::atoi(argv[2]), run = std::atoi(argv[3]);
   if (check_banks() != 0) return 1;
-  for (int a = 3; a < argc; ++a) {
-    if (check_split(tiles, num_blocks, std::atoi(argv[a])) != 0) return 1;
+  for (int a = 4; a < argc; ++a) {
+    if (check_split(tiles, num_blocks, run, std::atoi(argv[a])) != 0) return 1;
   }
   std::printf("ok\n");
   return 0;

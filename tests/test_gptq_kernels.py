@@ -183,29 +183,31 @@ def host_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("tiles", "num_blocks", "ctas"),
+    ("tiles", "num_blocks", "run", "ctas"),
     [
-        (344, 32, [396, 1, 7, 343, 344, 345, 11008]),  # gate_up 4096 -> 22016 (H200: 396 CTAs)
-        (192, 32, [396, 264, 132]),  # qkv 4096 -> 12288
-        (64, 32, [396, 256, 320, 2047, 2048]),  # o 4096 -> 4096 (256: at most 4 CTAs per tile)
-        (64, 86, [396, 256, 320, 5504]),  # down 11008 -> 4096
-        (1, 1, [1]),
-        (3, 5, [1, 2, 4, 7, 14, 15]),
-        # the wgmma GEMM's grids (one CTA per SM; tiles of 256 columns x 64 or 128 rows, or of
-        # 128 columns x 256 rows)
-        (172, 32, [132]),  # gate_up at M=256 (either tile of 128 or 256 rows)
-        (64, 32, [132]),  # o at M=256, 64-row tiles (forced)
-        (32, 86, [132, 128]),  # down at M=256 (stream-K; exact split in 4)
-        (16, 32, [128]),  # o at M=128 with 128-row tiles (forced): an exact split in 8
+        # the GEMV (runs of 4 blocks, one per warp); at most one CTA per run
+        (344, 32, 4, [396, 1, 7, 343, 344, 345, 2752]),  # gate_up 4096 -> 22016 (H200: 396 CTAs)
+        (192, 32, 4, [396, 264, 132]),  # qkv 4096 -> 12288
+        (64, 32, 4, [396, 256, 320, 511, 512]),  # o 4096 -> 4096 (256: at most 4 CTAs per tile)
+        (64, 86, 4, [396, 256, 320, 1408]),  # down 11008 -> 4096 (a short last run per tile)
+        (1, 1, 4, [1]),
+        (3, 5, 4, [1, 2, 4, 5, 6]),
+        (3, 5, 1, [1, 2, 4, 7, 14, 15]),
+        # the wgmma GEMM's grids (runs of one block, one CTA per SM; tiles of 256 columns x 64 or
+        # 128 rows, or of 128 columns x 256 rows)
+        (172, 32, 1, [132]),  # gate_up at M=256 (either tile of 128 or 256 rows)
+        (64, 32, 1, [132]),  # o at M=256, 64-row tiles (forced)
+        (32, 86, 1, [132, 128]),  # down at M=256 (stream-K; exact split in 4)
+        (16, 32, 1, [128]),  # o at M=128 with 128-row tiles (forced): an exact split in 8
     ],
 )
 def test_cuda_kernel_work_split_on_host(
-    host_check: Path, tiles: int, num_blocks: int, ctas
+    host_check: Path, tiles: int, num_blocks: int, run: int, ctas
 ) -> None:  # type: ignore[no-untyped-def]
-    """Every (tile, block) item is taken once; split tiles are reduced by exactly the CTAs that
-    `owner()` names, no CTA writes two partial tiles (one workspace slot each); ring reads are
-    bank-conflict-free."""
-    args = [str(host_check), str(tiles), str(num_blocks), *map(str, ctas)]
+    """Every (tile, block) item is taken once; segments are whole runs; split tiles are reduced
+    by exactly the CTAs that `Split::contributors` names, no CTA writes two partial tiles (one
+    workspace slot each); ring reads are bank-conflict-free."""
+    args = [str(host_check), str(tiles), str(num_blocks), str(run), *map(str, ctas)]
     done = subprocess.run(args, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout
 
