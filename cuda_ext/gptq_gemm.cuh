@@ -30,12 +30,12 @@
 //
 // Work split, as in gptq_gemv.cuh (Split, with runs of one block): items are (tile, block) in
 // tile-major order, tiles (column tile, token tile) with the token tiles of a column tile
-// adjacent; the persistent grid gives CTA c the items [c * items / C, (c + 1) * items / C). A split tile is finished by the
-// CTA owning its first block (that segment is the CTA's last): the other contributors store
-// their accumulators to workspace slot `cta` (one per CTA, fragment order, all kEmpty between
-// launches) and the owner adds them in CTA order as they land. Where the tiles fit on the GPU,
-// the grid is instead k CTAs per tile (`gemm_grid`: an exact split, same item ranges), and each
-// of a tile's k CTAs reduces and writes a k-th of it (`gemm_share`).
+// adjacent; the persistent grid gives CTA c the items [c * items / C, (c + 1) * items / C). A
+// split tile is finished by the CTA owning its first block (that segment is the CTA's last): the
+// other contributors store their accumulators to workspace slot `cta` (one per CTA, fragment
+// order, all kEmpty between launches) and the owner adds them in CTA order as they land. Where
+// the tiles fit on the GPU, the grid is instead k CTAs per tile (`gemm_grid`: an exact split,
+// same item ranges), and each of a tile's k CTAs reduces and writes a k-th of it (`gemm_share`).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a kernel parameter type; no driver calls here)

@@ -462,7 +462,8 @@ __device__ inline void reduce_warps(const Params& p, const float (&acc)[MT][4][4
 #pragma unroll
   for (int tt = 0; tt < MT; ++tt) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {  // acc[tt][c][e]: token 8 tt + 2t + e % 2, column 32 (e / 2) + 4g + c
+    // acc[tt][c][e] is token 8 tt + 2t + e % 2, column 32 (e / 2) + 4g + c
+    for (int e = 0; e < 4; ++e) {
       const int row = 8 * tt + 2 * t + e % 2, col = 32 * (e / 2) + 4 * g;
       *reinterpret_cast<float4*>(mine + row * kRedStride + col) =
           make_float4(acc[tt][0][e], acc[tt][1][e], acc[tt][2][e], acc[tt][3][e]);
@@ -537,7 +538,8 @@ constexpr uint32_t kEmpty = 0xFFFFFFFFu;
 // finish: a thread's units of a tile, and the contributors whose slots it reads in one round
 // trip: all its units of each, about kReadsInFlight 16-byte reads at once. Rounds used to go
 // value by value, each a round trip, 8 of them at 16 tokens (H200 stacks, M = 1 / 8 / 16: 1.191 /
-// 1.503 / 2.077 ms; by contributor, 4 values in flight: 1.183 / 1.370 / 1.774; 8 or 16: no faster).
+// 1.503 / 2.077 ms; by contributor, 4 values in flight: 1.183 / 1.370 / 1.774; 8 or 16: no faster;
+// in 16-byte units, 8 in flight tied 4: gptq_w4a_2026-11-30v_notes.md).
 constexpr int kReadsInFlight = 4;
 template <int TOK>
 __host__ __device__ constexpr int units_per_thread() {
@@ -585,9 +587,9 @@ __device__ inline void flush(const Params& p, int tile, bool whole, float* red) 
 // Once the CTA's range is done: for `owned` (its last segment, a tile it is the first of;
 // -1: none), add the other contributors' slots to red in CTA order as their values arrive, empty
 // the slots and write the sums to out. A round reads slots_per_round contributors, all of the
-// thread's values of each; it polls only the values still kEmpty. Polling all of a thread's
-// values for all contributors at once, as the wgmma GEMM does, was slower (H200 stack, M=1:
-// 1.22-1.40 ms against 1.19; gptq_w4a_2026-11-30r).
+// thread's units of each, and re-reads a unit until none of its values is kEmpty. Polling all
+// of a thread's values for all contributors at once, as the wgmma GEMM does, was slower (H200
+// stack, M=1: 1.22-1.40 ms against 1.19; gptq_w4a_2026-11-30r).
 template <typename T, int TOK>
 __device__ inline void finish(const Params& p, int owned, float* red, const Split& split) {
   if (owned < 0) return;

@@ -5,8 +5,8 @@
 // Segment::block, word_offset from gptq_gemv.cuh):
 // - every item (column tile, 128-row block) is taken by exactly one warp of exactly one CTA;
 // - a tile is written directly by a CTA only when that CTA owns all of it; otherwise its
-//   contributors are exactly the CTAs Split::contributors names, the tile is the last segment of the
-//   first of them (which finishes it) and the first segment of each other one (which writes its
+//   contributors are exactly the CTAs Split::contributors names, the tile is the last segment of
+//   the first of them (which finishes it) and the first segment of each other one (which writes its
 //   partial sums to workspace slot cta);
 // - no CTA writes two partial tiles (so slot cta is enough: the workspace has ctas slots);
 // - every segment is whole runs (only a tile's last run may be short);
