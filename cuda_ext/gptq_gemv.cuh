@@ -663,6 +663,11 @@ constexpr size_t smem_bytes() {
   return sizeof(Slot<TOK, PQ>) * stages<TOK>() * kWarps +
          sizeof(float) * kWarps * 8 * Slot<TOK, PQ>::kMT * kRedStride;
 }
+// One token with block-wide groups (M=1 decode of g128 / g-1 checkpoints) fits 3 CTAs per SM on
+// the H200: 228 KB of shared memory per SM, 1 KB of it reserved per CTA. A few more bytes per CTA
+// would leave 2 (a third fewer weights in flight), and the ring depth and the sharer cap were
+// tuned at 3.
+static_assert(3 * (smem_bytes<1, false>() + 1024) <= 228 * 1024, "M=1 no longer fits 3 CTAs/SM");
 
 // The kernel for one zero-point mode (Z: zeros given).
 template <typename T, int TOK, bool PQ, bool Z>
