@@ -449,9 +449,9 @@ __device__ inline void add_slot(const GemmParams& p, int c, int v0, int lo, int 
 // not depend on timing).
 template <int BT>
 __device__ inline void gemm_finish(const GemmParams& p, int tile,
-                                   float (&acc)[GemmTile<BT>::kMT][BT / 2], int ctas) {
+                                   float (&acc)[GemmTile<BT>::kMT][BT / 2], const Split& split) {
   int first, last;
-  Split(p.tiles_n * p.tiles_m, p.num_blocks, 1, ctas).contributors(tile, first, last);
+  split.contributors(tile, first, last);
   for (int c = first + 1; c <= last; ++c) {
 #pragma unroll
     for (int v0 = 0; v0 < GemmTile<BT>::kPieces; v0 += 8) {
@@ -498,10 +498,10 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + kStages * S::kBytes);  // item landed
   uint64_t* empty = full + kStages;  // stage consumed by both warpgroups (a lane per warp)
 
-  const int ctas = gridDim.x;
-  const int items = p.tiles_n * p.tiles_m * p.num_blocks;  // < 2^31 (checked at launch)
-  const int begin = static_cast<int>(static_cast<int64_t>(blockIdx.x) * items / ctas);
-  const int count = static_cast<int>(static_cast<int64_t>(blockIdx.x + 1) * items / ctas) - begin;
+  // item indices are int: the items are < 2^31 (checked at launch)
+  const Split split(p.tiles_n * p.tiles_m, p.num_blocks, 1, gridDim.x);
+  const int begin = static_cast<int>(split.begin(blockIdx.x));
+  const int count = static_cast<int>(split.end(blockIdx.x)) - begin;
   // item -> tile (column tile-major, token tiles adjacent), block
   auto where = [&](int item, int& m0, int& n0, int& b) {
     const int tile = item / p.num_blocks;
@@ -602,7 +602,7 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
     if (p.split > 1) {  // an exact split: the tile of the CTA's only segment
       gemm_share<T, BT>(p, m0, n0, acc);
     } else {
-      gemm_finish<BT>(p, owned, acc, ctas);
+      gemm_finish<BT>(p, owned, acc, split);
       gemm_write<T, BT>(p, m0, n0, acc);
     }
   }

@@ -48,7 +48,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   const int resident = gptq_host::resident_ctas(
       "gptq_gemv", reinterpret_cast<const void*>(kernel), gptq::kThreads, smem, device);
   const int64_t sharers = gptq::max_sharers(p.M, p.num_blocks);
-  const int64_t runs = gptq::Split(p.tiles, p.num_blocks, gptq::kWarps, 1).runs;
+  const int64_t runs = gptq::gemv_split(p, 1).runs;
   const int ctas = static_cast<int>(std::min<int64_t>({resident, runs, sharers * p.tiles}));
 
   const int64_t slots = int64_t{ctas} * p.M * gptq::kTileN;

@@ -516,6 +516,11 @@ struct Split {
   }
 };
 
+// The GEMV's split of `p` over `ctas` CTAs (the host sizes the grid from its runs).
+__host__ __device__ inline Split gemv_split(const Params& p, int ctas) {
+  return Split(p.tiles, p.num_blocks, kWarps, ctas);
+}
+
 // out[m, n..n+3] = v (+ bias), n = tile * kTileN + col (N % 8 == 0: the 4 columns exist
 // together), as one 8-byte store.
 template <typename T>
@@ -680,7 +685,7 @@ __device__ inline void gemv_body(const Params& p) {
   float* red = reinterpret_cast<float*>(smem + sizeof(Slot<TOK, PQ>) * kStages * kWarps);
   pdl_launch_dependents();
 
-  const Split split(p.tiles, p.num_blocks, kWarps, gridDim.x);
+  const Split split = gemv_split(p, gridDim.x);
   const int64_t begin = split.begin(blockIdx.x), end = split.end(blockIdx.x);
   int owned = -1;  // the split tile this CTA finishes (see finish)
 

@@ -138,9 +138,9 @@ int main(int argc, char** argv) {
     const int64_t tiles = std::atoll(argv[2]);
     const int num_blocks = std::atoi(argv[3]);
     const int ctas = pagedq::gptq::gemm_grid(tiles, num_blocks, std::atoi(argv[4]), split);
-    const int64_t items = tiles * num_blocks;
+    const Split work(static_cast<int>(tiles), num_blocks, 1, ctas);  // the kernel's split
     for (int c = 0; c < ctas && split > 0; ++c) {  // an exact split: CTA c holds part of tile c / k
-      const int64_t begin = c * items / ctas, end = (c + 1) * items / ctas;
+      const int64_t begin = work.begin(c), end = work.end(c);
       if (begin >= end || begin / num_blocks != c / split || (end - 1) / num_blocks != c / split) {
         return fail("exact split: a CTA outside its tile", c, begin, end);
       }
