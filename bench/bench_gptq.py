@@ -3,7 +3,8 @@
 Conditions: one GPU, the 32 layers of Llama-2-7B with fused projections, as the model runs
 them: per layer qkv 4096->12288, o 4096->4096, gate_up 4096->22016, down 11008->4096 (224
 checkpoint linears in 128 launches), random 4-bit weights, group size 128, symmetric (3.34 GB:
-nothing stays in L2), fp16 activations (bf16 for aten's tinygemm). For each batch M the whole
+nothing stays in L2), fp16 activations (bf16 for aten's tinygemm; `pagedq_bf16` rows run the same
+weights with bf16 scales and activations). For each batch M the whole
 stack is captured in one CUDA graph and replayed (eager time in brackets); medians of
 CUDA-event-timed repeats. TB/s = weight bytes read / time, against the 4.28 TB/s copy ceiling.
 
@@ -190,6 +191,14 @@ def main() -> None:
             f"  M={m}: pagedq {row['pagedq']['graph_ms']:.3f} ms ({row['pagedq']['eager_ms']:.3f})",
             flush=True,
         )
+    bf16 = [replace(w, scales=w.scales.bfloat16()) for w in weights]  # same qweight tensors
+    for m in ms:
+        row = results["rows"][str(m)]
+        row["pagedq_bf16"] = with_backend(
+            "auto", functools.partial(measure, pagedq_stack(bf16, m), nbytes, args.repeats)
+        )
+        print(f"  M={m}: pagedq bf16 {row['pagedq_bf16']['graph_ms']:.3f} ms", flush=True)
+    del bf16
     results["paths"] = path_sweep(weights, nbytes, args.repeats)
     if args.sweep:
         from triton_kernels.gptq_tuning import sweep_and_apply

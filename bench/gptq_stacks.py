@@ -91,7 +91,7 @@ def weight_bytes(weights: list[PackedGPTQWeight]) -> int:
 def pagedq_stack(
     weights: list[PackedGPTQWeight], m: int, call: Callable[..., Any] | None = None
 ) -> Stack:
-    xs = inputs(m, torch.float16)
+    xs = inputs(m, weights[0].dtype)  # the scales' dtype: fp16, or bf16 for the bf16 rows
     matmul = call or ops.gptq_matmul
 
     def run() -> None:
