@@ -182,23 +182,17 @@ def main() -> None:
         f"{props.name}: pagedq weights {nbytes / 1e9:.2f} GB; building the CUDA extension ...",
         flush=True,
     )
-    for m in ms:
-        row = results["rows"].setdefault(str(m), {})
-        row["pagedq"] = with_backend(
-            "auto", functools.partial(measure, pagedq_stack(weights, m), nbytes, args.repeats)
-        )
-        print(
-            f"  M={m}: pagedq {row['pagedq']['graph_ms']:.3f} ms ({row['pagedq']['eager_ms']:.3f})",
-            flush=True,
-        )
-    bf16 = [replace(w, scales=w.scales.bfloat16()) for w in weights]  # same qweight tensors
-    for m in ms:
-        row = results["rows"][str(m)]
-        row["pagedq_bf16"] = with_backend(
-            "auto", functools.partial(measure, pagedq_stack(bf16, m), nbytes, args.repeats)
-        )
-        print(f"  M={m}: pagedq bf16 {row['pagedq_bf16']['graph_ms']:.3f} ms", flush=True)
-    del bf16
+
+    def pagedq_rows(name: str, ws: list[PackedGPTQWeight]) -> None:
+        """Row `name` at every M: the stack of `ws` on the `auto` dispatch."""
+        for m in ms:
+            r = results["rows"].setdefault(str(m), {})[name] = with_backend(
+                "auto", functools.partial(measure, pagedq_stack(ws, m), nbytes, args.repeats)
+            )
+            print(f"  M={m}: {name} {r['graph_ms']:.3f} ms ({r['eager_ms']:.3f})", flush=True)
+
+    pagedq_rows("pagedq", weights)
+    pagedq_rows("pagedq_bf16", [replace(w, scales=w.scales.bfloat16()) for w in weights])
     results["paths"] = path_sweep(weights, nbytes, args.repeats)
     if args.sweep:
         from triton_kernels.gptq_tuning import sweep_and_apply
@@ -207,12 +201,7 @@ def main() -> None:
             return time_ms(graphed(pagedq_stack(ws, m, call)), args.sweep_repeats)
 
         results["config_sweep"] = sweep_and_apply(timer, weights)
-        for m in ms:
-            results["rows"][str(m)]["pagedq_tuned"] = with_backend(
-                "auto", functools.partial(measure, pagedq_stack(weights, m), nbytes, args.repeats)
-            )
-            tuned = results["rows"][str(m)]["pagedq_tuned"]["graph_ms"]
-            print(f"  M={m}: pagedq with the swept table {tuned:.3f} ms", flush=True)
+        pagedq_rows("pagedq_tuned", weights)  # with the swept table
     results["max_rel_error"] = accuracy(weights, ms)
     print(
         "  accuracy vs reference: "
