@@ -4,9 +4,9 @@ Conditions: one GPU, the 32 layers of Llama-2-7B with fused projections, as the 
 them: per layer qkv 4096->12288, o 4096->4096, gate_up 4096->22016, down 11008->4096 (224
 checkpoint linears in 128 launches), random 4-bit weights, group size 128, symmetric (3.34 GB:
 nothing stays in L2), fp16 activations (bf16 for aten's tinygemm; `pagedq_bf16` rows run the same
-weights with bf16 scales and activations). For each batch M the whole
-stack is captured in one CUDA graph and replayed (eager time in brackets); medians of
-CUDA-event-timed repeats. TB/s = weight bytes read / time, against the 4.28 TB/s copy ceiling.
+weights with bf16 scales and activations). For each batch M the whole stack is captured in one
+CUDA graph and replayed (eager time in brackets); medians of CUDA-event-timed repeats. TB/s =
+weight bytes read / time, against the 4.28 TB/s copy ceiling.
 
 Peers, same graph method: dense fp16 cuBLAS (12.95 GB of weights), aten
 `torch._weight_int4pack_mm` (tinygemm, bf16), and Marlin through GPTQModel when importable.
