@@ -124,6 +124,8 @@ def test_defaults_and_variants() -> None:
         ({**BASE, "group_size": -2}, UnsupportedModelError, ["group_size=-2"]),
         ({**BASE, "desc_act": "yes"}, CheckpointError, ["desc_act='yes'"]),
         ({"group_size": 128}, CheckpointError, ["bits"]),
+        ({**BASE, "meta": "gptqmodel"}, CheckpointError, ["meta='gptqmodel'", "object"]),
+        ({**BASE, "meta": {"quantizer": [4]}}, CheckpointError, ["meta.quantizer=[4]", "strings"]),
     ],
 )
 def test_rejected_settings(raw: dict[str, Any], error: type, words: list[str]) -> None:
@@ -131,6 +133,30 @@ def test_rejected_settings(raw: dict[str, Any], error: type, words: list[str]) -
         parse_gptq_config(raw)
     for word in words:
         assert word in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("quantizer", "by_word"),
+    [
+        (["gptqmodel:7.6.0"], True),
+        ("GPTQModel:0.9.0", True),  # one string, any case
+        (["gptqmodel:4.0.0-dev"], True),
+        (["autogptq:0.7.1", "gptqmodel:1"], True),
+        (["gptqmodel:0.8.9"], False),  # before the v2 codebase
+        (["gptqmodel:unknown"], False),
+        (["pagedq:0.1.0"], False),
+        (None, False),
+    ],
+)
+def test_meta_quantizer_decides_how_v1_zeros_read(quantizer: Any, by_word: bool) -> None:
+    meta = {"quantizer": quantizer}
+    cfg = parse_gptq_config({**BASE, "sym": False, "meta": meta})
+    assert cfg.zeros_by_word is by_word
+    entries = [quantizer] if isinstance(quantizer, str) else quantizer or []
+    assert gptq_config_dict(cfg)["meta"] == {"quantizer": entries}  # kept when written back
+    assert parse_gptq_config(gptq_config_dict(cfg)) == cfg
+    v2 = parse_gptq_config({**BASE, "checkpoint_format": "gptq_v2", "meta": meta})
+    assert not v2.zeros_by_word  # v2 stores zeros as they are
 
 
 def test_rejected_in_files(tmp_path: Path) -> None:

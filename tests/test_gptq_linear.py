@@ -40,8 +40,17 @@ def pack_along_cols(z: np.ndarray) -> torch.Tensor:
 
 # zero modes: how zero points are stored
 #   v1 / v2: asymmetric, stored nibble + 1 (v1) or as is (v2); v1 includes stored 15 (-> 16)
+#   v1_gptqmodel: asymmetric v1 as GPTQModel >= 0.9 writes it (meta.quantizer names it): the
+#     v2 word minus 0x11111111, so a zero of 0 borrows from the next nibble
 #   sym_v1 (7s), sym_v2 (8s), sym_v1_stores_8 (labelled v1, stores 8s: read as v2)
-ZERO_MODES = ("v1", "v2", "sym_v1", "sym_v2", "sym_v1_stores_8")
+ZERO_MODES = ("v1", "v2", "v1_gptqmodel", "sym_v1", "sym_v2", "sym_v1_stores_8")
+GPTQMODEL = ("gptqmodel:7.6.0",)  # meta.quantizer of a GPTQModel checkpoint
+
+
+def gptqmodel_v1_words(real_zero: np.ndarray) -> torch.Tensor:
+    """GPTQModel's v1 qzeros: each packed word of real zeros minus 0x11111111, modulo 2^32."""
+    words = pack_along_cols(real_zero).numpy().view(np.uint32)
+    return torch.from_numpy((words - np.uint32(0x11111111)).view(np.int32).copy())
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,7 @@ def make_checkpoint(
     groups = 1 if group_size == -1 else math.ceil(k / group_size)
     q = rng.integers(0, 16, size=(k, n))
     sym = zero_mode.startswith("sym")
-    v1 = zero_mode in ("v1", "sym_v1", "sym_v1_stores_8")
+    v1 = zero_mode in ("v1", "v1_gptqmodel", "sym_v1", "sym_v1_stores_8")
     if zero_mode in ("sym_v1",):
         stored = np.full((groups, n), 7)
     elif zero_mode in ("sym_v2", "sym_v1_stores_8"):
@@ -75,7 +84,13 @@ def make_checkpoint(
         stored = rng.integers(0, 16, size=(groups, n))
         stored[:, 0] = 15  # v1 reads 16 here, v2 reads 15
         stored[:, 1] = 0
-    real_zero = stored + (1 if v1 and zero_mode != "sym_v1_stores_8" else 0)
+    real_zero = stored + (1 if v1 and zero_mode not in ("sym_v1_stores_8", "v1_gptqmodel") else 0)
+    if zero_mode == "v1_gptqmodel":
+        real_zero[:, 1::3] = 0  # zeros of 0 in every word, some in its top nibble
+        real_zero[:, 7::8] = 0
+        qzeros = gptqmodel_v1_words(real_zero)
+    else:
+        qzeros = pack_along_cols(stored)
     scales = rng.uniform(0.002, 0.02, size=(groups, n)).astype(np.float16)
     if group_size == -1:
         g_idx = np.zeros(k, dtype=np.int64)
@@ -87,7 +102,7 @@ def make_checkpoint(
     wt = scales.astype(np.float64)[g_idx] * (q - real_zero[g_idx])
     tensors = GPTQTensors(
         qweight=pack_along_rows(q),
-        qzeros=pack_along_cols(stored),
+        qzeros=qzeros,
         scales=torch.from_numpy(scales),
         g_idx=torch.from_numpy(g_idx.astype(np.int32)),
         bias=torch.from_numpy(rng.normal(0, 0.5, n).astype(np.float16)) if bias else None,
@@ -98,6 +113,7 @@ def make_checkpoint(
         desc_act=desc_act,
         sym=sym,
         checkpoint_format="gptq" if v1 else "gptq_v2",
+        quantizer=GPTQMODEL if zero_mode == "v1_gptqmodel" else (),
     )
     return Checkpoint(tensors, config, torch.from_numpy(wt))
 
@@ -150,6 +166,23 @@ def test_asym_v1_stored_15_reads_as_16() -> None:
     assert packed.zeros is not None
     assert packed.zeros[:, 0].tolist() == [16.0, 16.0]  # column 0 stores 15
     assert packed.zeros[:, 1].tolist() == [1.0, 1.0]  # column 1 stores 0
+
+
+def test_gptqmodel_v1_zeros_read_by_whole_word_and_others_by_nibble() -> None:
+    ck = make_checkpoint(seed=3, k=64, n=16, group_size=32, zero_mode="v1_gptqmodel")
+    assert ck.config.zeros_by_word
+    packed, _ = GPTQLinear([ck.tensors], ck.config, torch.float32).segment(0)
+    assert packed.zeros is not None
+    assert packed.zeros[:, 1].tolist() == [0.0, 0.0] and packed.zeros[:, 7].tolist() == [0.0, 0.0]
+    # the same words from another v1 writer (no GPTQModel in meta.quantizer): nibble + 1
+    for quantizer in ((), ("gptqmodel:0.8.9",), ("autogptq:0.7.1",)):
+        other = replace(ck.config, quantizer=quantizer)
+        assert not other.zeros_by_word
+        lin = GPTQLinear([ck.tensors], other, torch.float32)
+        packed, _ = lin.segment(0)
+        assert packed.zeros is not None
+        assert packed.zeros[:, 1].tolist() == [16.0, 16.0]  # 0 - 1 left 15 in the nibble
+        assert not torch.allclose(lin.dequantized_weight().double(), ck.expected_wt.t())
 
 
 def test_symmetric_zeros_are_dropped_and_v1_storing_8_reads_as_v2() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import pagedq
 from pagedq.errors import ConfigError, UnsupportedModelError
 from pagedq.gptq import calibration
 from pagedq.gptq import quantizer as Q
@@ -333,6 +334,8 @@ def test_quantized_folder(tiny, tmp_path: Path, opts: QuantizeOptions) -> None:
     src, calib, _ = tiny
     out = Q.quantize_model(src, tmp_path / "q", opts, calibration_tokens=calib, progress=False)
     assert load_gptq_config(out) == opts.gptq_config()
+    settings = json.loads((out / "quantize_config.json").read_text())
+    assert settings["meta"] == {"quantizer": [f"pagedq:{pagedq.__version__}"]}
     config, ckpt = load_model_config(out), Checkpoint.open(out)
     shapes = {  # checkpoint projection -> (out, in)
         "self_attn.q_proj": (config.num_attention_heads * config.head_dim, config.hidden_size),

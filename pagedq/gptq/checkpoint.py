@@ -108,6 +108,7 @@ def parse_gptq_config(raw: Mapping[str, Any], source: str = "quantization settin
         pack_dtype="int32",
         damp_percent=_number(raw, "damp_percent", 0.01, source),
         true_sequential=_flag(raw, "true_sequential", True, source),
+        quantizer=_quantizer(raw, source),
     )
 
 
@@ -126,6 +127,7 @@ def gptq_config_dict(cfg: GPTQConfig) -> dict[str, Any]:
         "lm_head": cfg.lm_head,
         "pack_dtype": cfg.pack_dtype,
         "model_file_base_name": "model",
+        "meta": {"quantizer": list(cfg.quantizer)},
     }
 
 
@@ -153,6 +155,23 @@ def _number(raw: Mapping[str, Any], key: str, default: float, source: str) -> fl
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise CheckpointError(f"{source}: {key}={value!r} must be a number")
     return float(value)
+
+
+def _quantizer(raw: Mapping[str, Any], source: str) -> tuple[str, ...]:
+    """`meta.quantizer`: the "tool:version" entries of the tools that wrote the checkpoint (one
+    string or a list; GPTQModel writes it, and v1 zeros depend on it, see zeros_by_word)."""
+    meta = raw.get("meta")
+    if meta is None:
+        return ()
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{source}: meta={meta!r} must be an object")
+    value = meta.get("quantizer")
+    entries = [value] if isinstance(value, str) else [] if value is None else value
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise CheckpointError(
+            f"{source}: meta.quantizer={value!r} must be a string or a list of strings"
+        )
+    return tuple(entries)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -7,6 +7,7 @@ Settings are looked up in `quantize_config.json`, `quant_config.json`, then
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +26,30 @@ class GPTQConfig:
     pack_dtype: str = "int32"  # only int32 is supported
     damp_percent: float = 0.01  # quantization time only, kept for round trips
     true_sequential: bool = True  # quantization time only, kept for round trips
+    quantizer: tuple[str, ...] = ()  # meta.quantizer: the "tool:version" entries that wrote it
 
     @property
     def zero_offset(self) -> int:
         """Added to a stored zero nibble to get the real zero (1 for v1, 0 for v2)."""
         return 1 if self.checkpoint_format == "gptq" else 0
+
+    @property
+    def zeros_by_word(self) -> bool:
+        """v1 zeros stored as `word - 0x11111111` (GPTQModel >= 0.9), read back by whole-word
+        addition: a zero of 0 borrowed from the next nibble. Other v1 writers (AutoGPTQ) packed
+        each zero minus one into its nibble, and their kernels read each nibble plus one."""
+        if self.checkpoint_format != "gptq":
+            return False
+        return any(_is_gptqmodel_v2_era(entry) for entry in self.quantizer)
+
+
+def _is_gptqmodel_v2_era(entry: str) -> bool:
+    """`entry` is "gptqmodel:X.Y.Z" with X.Y.Z >= 0.9.0, the first version with the v2 codebase."""
+    tool, _, version = entry.partition(":")
+    found = re.match(r"\s*(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
+    if tool.strip().lower() != "gptqmodel" or found is None:
+        return False
+    return tuple(int(n or 0) for n in found.groups()) >= (0, 9, 0)
 
 
 @dataclass(frozen=True, slots=True)

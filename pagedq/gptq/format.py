@@ -48,6 +48,17 @@ def unpack_cols(words: torch.Tensor) -> torch.Tensor:
     return vals.reshape(g, nw * PACK)
 
 
+def unpack_zeros(qzeros: torch.Tensor, zero_offset: int, by_word: bool = False) -> torch.Tensor:
+    """Real zeros `[G, N]` (int32) from `qzeros` `[G, N/8]`: each nibble plus `zero_offset`,
+    so a v1 nibble of 15 reads as 16, as AutoGPTQ-era kernels read it. `by_word` (v1 from
+    GPTQModel >= 0.9, `GPTQConfig.zeros_by_word`): the nibbles of `word + 0x11111111` modulo
+    2^32, the exact inverse of its whole-word subtraction, which lets a zero of 0 borrow."""
+    if not by_word:
+        return unpack_cols(qzeros) + zero_offset
+    words = (qzeros.to(torch.int64) + 0x11111111) & 0xFFFFFFFF
+    return unpack_cols(_to_int32(words))
+
+
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
     """Reinterpret unsigned 32-bit values held in int64 as int32 (two's complement)."""
     words = torch.where(words >= 2**31, words - 2**32, words)
@@ -60,9 +71,11 @@ def dequantize(
     scales: torch.Tensor,  # [G, N]
     g_idx: torch.Tensor,  # [K] int32: group of each input row
     zero_offset: int,  # 1 for v1 ("gptq": zero stored minus one), 0 for v2
+    zeros_by_word: bool = False,  # v1 written by GPTQModel >= 0.9 (see unpack_zeros)
 ) -> torch.Tensor:
-    """W^T `[K, N]` in fp32: `scales[g, n] * (q - (z + zero_offset))` with `g = g_idx[k]`."""
+    """W^T `[K, N]` in fp32: `scales[g, n] * (q - z)` with `g = g_idx[k]` and z the real zero
+    (`unpack_zeros`)."""
     q = unpack_rows(qweight)  # [K, N]
-    z = unpack_cols(qzeros) + zero_offset  # [G, N]
+    z = unpack_zeros(qzeros, zero_offset, zeros_by_word)  # [G, N]
     g = g_idx.to(torch.int64)
     return scales.float()[g] * (q - z[g]).float()

@@ -30,6 +30,7 @@ import torch
 
 from pagedq.errors import CheckpointError, ConfigError, UnsupportedModelError
 from pagedq.gptq.config import GPTQConfig, GPTQTensors
+from pagedq.gptq.format import unpack_cols, unpack_rows, unpack_zeros
 from pagedq.ops.gptq import (
     PackedGPTQWeight,
     dequantize_packed,
@@ -39,7 +40,6 @@ from pagedq.ops.gptq import (
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SHIFTS = tuple(range(0, 32, 4))  # bit offset of nibble j
 
 
 @dataclass(frozen=True, eq=False)
@@ -250,15 +250,12 @@ def _expect(
 def _normalize_part(
     i: int, t: GPTQTensors, config: GPTQConfig, device: torch.device | str
 ) -> _Normalized:
-    k, n, g = _check_part(i, t, config)
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=device)
-    qw = t.qweight.to(device)
-    q = ((qw.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF).reshape(k, n)  # [K, N]
+    k, _, g = _check_part(i, t, config)
+    q = unpack_rows(t.qweight.to(device))  # [K, N]
     zq = t.qzeros.to(device)
-    zeros = ((zq.unsqueeze(2) >> shifts.view(1, 1, 8)) & 0xF).reshape(g, n)  # [G, N]
-    v2_in_v1 = config.sym and bool((zeros == 8).all())  # labelled v1, stores v2 zeros
-    if config.checkpoint_format == "gptq" and not v2_in_v1:
-        zeros = zeros + 1  # in int32: a stored 15 reads as 16
+    v2_in_v1 = config.sym and bool((unpack_cols(zq) == 8).all())  # labelled v1, stores v2 zeros
+    offset = 0 if v2_in_v1 else config.zero_offset
+    zeros = unpack_zeros(zq, offset, config.zeros_by_word and not v2_in_v1)  # [G, N]
     if t.g_idx is not None:
         g_idx = t.g_idx.to(device=device, dtype=torch.int64)
     elif g > 1:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from pagedq import __version__
 from pagedq.errors import ConfigError, UnsupportedModelError
 from pagedq.gptq.calibration import calibration_windows, check_tokens
 from pagedq.gptq.config import GPTQConfig, GPTQTensors
@@ -102,6 +103,7 @@ class QuantizeOptions:
             lm_head=False,
             damp_percent=self.damp_percent,
             true_sequential=self.true_sequential,
+            quantizer=(f"pagedq:{__version__}",),
         )
 
 
