@@ -13,8 +13,10 @@ from safetensors.torch import save_file
 from pagedq import LLM, SamplingParams
 from pagedq.gptq.checkpoint import load_gptq_config, read_gptq_tensors
 from pagedq.gptq.format import dequantize
-from pagedq.gptq.quantizer import QuantizeOptions, quantize_model
+from pagedq.gptq.linear import GPTQLinear
+from pagedq.gptq.quantizer import QuantizeOptions, quantize_model, rtn_quantize_weight
 from pagedq.loader.weights import Checkpoint
+from pagedq.models.llama import load_llama
 from tests.test_engine_hf import assert_agrees
 from tests.tiny_models import hf_greedy, hf_model, make_tiny_llama
 
@@ -42,6 +44,8 @@ def dense_copy(gptq_dir: Path, out: Path) -> Path:
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((gptq_dir / "config.json").read_text())
     config.pop("quantization_config", None)
+    if "lm_head.weight" in tensors:  # a quantized head of a tied model is its own weight
+        config["tie_word_embeddings"] = False
     config["torch_dtype"] = config["dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(config))
     for extra in ("tokenizer.json", "tokenizer_config.json"):
@@ -72,6 +76,46 @@ def test_gptq_model_greedy_matches_transformers_on_dequantized_weights(
     hf = hf_model(dense)
     for prompt, out in zip(prompts, outs, strict=True):
         ref, ref_lp = hf_greedy(hf, prompt, 16)
+        got = out.outputs[0]
+        assert got.logprobs is not None
+        assert_agrees(got.token_ids, got.logprobs, ref, ref_lp)
+
+
+def quantize_lm_head(gptq_dir: Path, opts: QuantizeOptions) -> None:
+    """Quantize the folder's lm_head too (round to nearest; the embeddings when tied) and say so
+    in the settings, as GPTQModel's `lm_head=True` does."""
+    ckpt = Checkpoint.open(gptq_dir)
+    tensors = {name: ckpt.get(name) for name in ckpt.names()}
+    head = tensors.pop("lm_head.weight", tensors["model.embed_tokens.weight"])
+    packed, _ = rtn_quantize_weight(head, opts)
+    for leaf in ("qweight", "qzeros", "scales", "g_idx"):
+        tensors[f"lm_head.{leaf}"] = getattr(packed, leaf)
+    save_file(tensors, str(gptq_dir / "model.safetensors"))
+    for name in ("config.json", "quantize_config.json"):
+        raw = json.loads((gptq_dir / name).read_text())
+        (raw.get("quantization_config", raw))["lm_head"] = True
+        (gptq_dir / name).write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_quantized_lm_head_matches_transformers(tmp_path: Path, tied: bool) -> None:
+    src = make_tiny_llama(
+        tmp_path / "src", hidden_size=64, num_heads=4, num_kv_heads=2, tie_word_embeddings=tied
+    )
+    opts = QuantizeOptions(group_size=32, method="rtn", sym=False)
+    gptq_dir = quantize_model(src, tmp_path / "q", opts, progress=False)
+    quantize_lm_head(gptq_dir, opts)
+    cfg = load_gptq_config(gptq_dir)
+    assert cfg is not None and cfg.lm_head
+    assert "lm_head.weight" not in Checkpoint.open(gptq_dir)
+    assert isinstance(load_llama(gptq_dir, torch.float32).lm_head, GPTQLinear)
+    dense = dense_copy(gptq_dir, tmp_path / "dense")
+    prompts = [[5, 9, 33, 2, 100], [7, 8, 9] * 5]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    outs = LLM(str(gptq_dir), device="cpu", num_blocks=32).generate(prompts, params, use_tqdm=False)
+    hf = hf_model(dense)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref, ref_lp = hf_greedy(hf, prompt, 12)
         got = out.outputs[0]
         assert got.logprobs is not None
         assert_agrees(got.token_ids, got.logprobs, ref, ref_lp)
