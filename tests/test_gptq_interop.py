@@ -5,7 +5,8 @@ The benchmark machine has its wheels (`bench/gpu_run.sh peers`); on a CPU machin
 `gptqmodel` (and `optimum` for the transformers loader) into the test environment. Both
 directions compare weights, which must agree exactly up to fp16 rounding:
 - GPTQModel's packer and its v1 export write a linear, pagedq reads it;
-- pagedq's quantizer writes a model folder, transformers loads it through GPTQModel.
+- GPTQModel quantizes a tiny Llama, pagedq loads and runs the folder;
+- pagedq's quantizer writes a model folder, GPTQModel and transformers load it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from pagedq.gptq.config import GPTQConfig, GPTQTensors
 from pagedq.gptq.linear import GPTQLinear
 from pagedq.gptq.quantizer import QuantizeOptions, quantize_model
 
-gptqmodel = pytest.importorskip("gptqmodel")
 os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")  # no JIT build: the Python packer
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "4")  # its default pool wants more CPUs than CI has
+gptqmodel = pytest.importorskip("gptqmodel")
 
 PROJECTIONS = (
     "self_attn.q_proj",
@@ -153,3 +155,51 @@ def test_gptqmodel_and_transformers_read_what_pagedq_writes(
         return  # transformers' GPTQ loader needs optimum
     model = transformers.AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
     assert_same_weights(model, out)
+
+
+@pytest.mark.parametrize(
+    ("sym", "desc_act", "group_size"),
+    [(False, False, 32), (True, True, 64)],
+    ids=["asym-g32", "sym-act-g64"],
+)
+def test_pagedq_runs_a_model_gptqmodel_quantized(
+    tmp_path: Path, sym: bool, desc_act: bool, group_size: int
+) -> None:
+    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig  # type: ignore[import-not-found]
+    from safetensors.torch import load_file, save_file
+
+    from pagedq import LLM, SamplingParams
+    from pagedq.gptq.format import unpack_cols
+    from pagedq.loader.weights import Checkpoint
+    from tests.tiny_models import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "src", hidden_size=128, intermediate_size=256)
+    weights = load_file(src / "model.safetensors")
+    q_proj = weights["model.layers.0.self_attn.q_proj.weight"]
+    q_proj[:, :group_size] = q_proj[:, :group_size].abs()  # a group with zero point 0
+    save_file(weights, str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    calib = [
+        {
+            "input_ids": torch.randint(3, 384, (64,), generator=gen).tolist(),
+            "attention_mask": [1] * 64,
+        }
+        for _ in range(16)
+    ]
+    qcfg = QuantizeConfig(bits=4, group_size=group_size, sym=sym, desc_act=desc_act)
+    model = GPTQModel.load(str(src), qcfg, device="cpu")
+    model.quantize(calib, batch_size=4)
+    model.save(str(tmp_path / "q"))
+    out = tmp_path / "q"
+    cfg = load_gptq_config(out)
+    assert cfg is not None and cfg.checkpoint_format == "gptq" and cfg.zeros_by_word
+    if not sym:  # the borrow this reading exists for happened
+        stored = unpack_cols(
+            read_gptq_tensors(Checkpoint.open(out), "model.layers.0.self_attn.q_proj").qzeros
+        )
+        assert bool((stored == 15).any())
+    loaded = GPTQModel.load(str(out), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16)
+    assert_same_weights(loaded.model, out)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (done,) = LLM(str(out), device="cpu", num_blocks=32).generate([[5, 9, 33, 2, 100]], params)
+    assert len(done.outputs[0].token_ids) == 8
