@@ -4,9 +4,10 @@ Load, per checkpoint linear ("part"), then per run of fusable parts:
 
 1. Validate the tensors against each other and the config; errors name the part index, the
    tensor, its shape and the expected one (`CheckpointError`, `UnsupportedModelError`).
-2. Unpack q [K, N] and the zero points z' [G, N] in int32: v1 ("gptq") adds 1 to the stored
-   nibble (15 reads as 16, as the tools that wrote it read it), v2 does not; a symmetric v1
-   checkpoint whose nibbles are all 8 actually stores v2 zeros and is read as v2.
+2. Unpack q [K, N] and the zero points z' [G, N] in int32, as the tool that wrote them reads
+   them (`pagedq.gptq.format.unpack_zeros`): v1 ("gptq") adds 1 to the stored nibble (15 reads
+   as 16), or, from GPTQModel >= 0.9, 0x11111111 to the whole word; v2 stores z' as is. A
+   symmetric v1 checkpoint whose nibbles are all 8 actually stores v2 zeros and is read as v2.
 3. Act-order: perm = stable argsort(g_idx) puts each group's rows together, so kernels see
    contiguous groups and multiply x[:, perm]. The sorted rows are cut into runs of
    `group_size` rows (the gcd of the group starts: the checkpoint's group size for every real
