@@ -4,6 +4,7 @@ that transformers gives when it runs the same weights dequantized into a dense f
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,12 @@ import torch
 from safetensors.torch import save_file
 
 from pagedq import LLM, SamplingParams
+from pagedq.errors import CheckpointError, UnsupportedModelError
 from pagedq.gptq.checkpoint import load_gptq_config, read_gptq_tensors
 from pagedq.gptq.format import dequantize
 from pagedq.gptq.linear import GPTQLinear
 from pagedq.gptq.quantizer import QuantizeOptions, quantize_model, rtn_quantize_weight
+from pagedq.layers.linear import ConcatLinear
 from pagedq.loader.weights import Checkpoint
 from pagedq.models.llama import load_llama
 from tests.test_engine_hf import assert_agrees
@@ -119,6 +122,52 @@ def test_quantized_lm_head_matches_transformers(tmp_path: Path, tied: bool) -> N
         got = out.outputs[0]
         assert got.logprobs is not None
         assert_agrees(got.token_ids, got.logprobs, ref, ref_lp)
+
+
+def rewrite(gptq_dir: Path, tensors: dict[str, torch.Tensor], dynamic: dict[str, dict]) -> None:
+    """Replace the folder's weights and add GPTQModel `dynamic` rules to both settings files."""
+    save_file(tensors, str(gptq_dir / "model.safetensors"))
+    for name in ("config.json", "quantize_config.json"):
+        raw = json.loads((gptq_dir / name).read_text())
+        (raw.get("quantization_config", raw))["dynamic"] = dynamic
+        (gptq_dir / name).write_text(json.dumps(raw))
+
+
+def test_dynamic_rules_leave_linears_dense_or_regroup_them(tmp_path: Path) -> None:
+    """GPTQModel's per-module rules: layer 0's k_proj stays dense inside the fused q/k/v, layer
+    1's down_proj uses 64-row groups; pagedq still gives transformers' tokens."""
+    src = make_tiny_llama(tmp_path / "src", hidden_size=64, num_heads=4, num_kv_heads=2)
+    opts = QuantizeOptions(group_size=32, method="rtn")
+    gptq_dir = quantize_model(src, tmp_path / "q", opts, progress=False)
+    ckpt, dense_src = Checkpoint.open(gptq_dir), Checkpoint.open(src)
+    tensors = {name: ckpt.get(name) for name in ckpt.names()}
+    k_proj, down = "model.layers.0.self_attn.k_proj", "model.layers.1.mlp.down_proj"
+    for leaf in ("qweight", "qzeros", "scales", "g_idx"):
+        del tensors[f"{k_proj}.{leaf}"]
+    tensors[f"{k_proj}.weight"] = dense_src.get(f"{k_proj}.weight").half()
+    g64 = replace(opts, group_size=64)
+    regrouped, _ = rtn_quantize_weight(dense_src.get(f"{down}.weight"), g64)
+    for leaf in ("qweight", "qzeros", "scales", "g_idx"):
+        tensors[f"{down}.{leaf}"] = getattr(regrouped, leaf)
+    rules = {r"-:.*\.0\.self_attn\.k_proj": {}, r"+:.*\.1\.mlp\.down_proj": {"group_size": 64}}
+    rewrite(gptq_dir, tensors, rules)
+    model = load_llama(gptq_dir, torch.float32)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, ConcatLinear)
+    dense = dense_copy(gptq_dir, tmp_path / "dense")
+    prompts = [[5, 9, 33, 2, 100], [7, 8, 9] * 5]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    outs = LLM(str(gptq_dir), device="cpu", num_blocks=32).generate(prompts, params, use_tqdm=False)
+    hf = hf_model(dense)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref, ref_lp = hf_greedy(hf, prompt, 12)
+        assert out.outputs[0].logprobs is not None
+        assert_agrees(out.outputs[0].token_ids, out.outputs[0].logprobs, ref, ref_lp)
+    rewrite(gptq_dir, tensors, {**rules, r".*\.1\.mlp\.up_proj": {"bits": 8}})
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.up_proj: bits=8"):
+        load_llama(gptq_dir, torch.float32)
+    rewrite(gptq_dir, tensors, {r"-:.*\.mlp\.": {}})  # says unquantized, stored quantized
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj: stored"):
+        load_llama(gptq_dir, torch.float32)
 
 
 @pytest.mark.skipif(

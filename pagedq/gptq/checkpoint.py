@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from dataclasses import replace
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from pagedq.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
-from pagedq.gptq.config import GPTQConfig, GPTQTensors
+from pagedq.gptq.config import DynamicRule, GPTQConfig, GPTQTensors
 
 QUANT_FILES = ("quantize_config.json", "quant_config.json")  # looked up before config.json
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")  # v1: zeros stored minus one; v2: stored as is
@@ -109,6 +110,7 @@ def parse_gptq_config(raw: Mapping[str, Any], source: str = "quantization settin
         damp_percent=_number(raw, "damp_percent", 0.01, source),
         true_sequential=_flag(raw, "true_sequential", True, source),
         quantizer=_quantizer(raw, source),
+        dynamic=_dynamic(raw, source),
     )
 
 
@@ -128,6 +130,7 @@ def gptq_config_dict(cfg: GPTQConfig) -> dict[str, Any]:
         "pack_dtype": cfg.pack_dtype,
         "model_file_base_name": "model",
         "meta": {"quantizer": list(cfg.quantizer)},
+        **({"dynamic": _dynamic_dict(cfg.dynamic)} if cfg.dynamic else {}),
     }
 
 
@@ -172,6 +175,48 @@ def _quantizer(raw: Mapping[str, Any], source: str) -> tuple[str, ...]:
             f"{source}: meta.quantizer={value!r} must be a string or a list of strings"
         )
     return tuple(entries)
+
+
+def _dynamic(raw: Mapping[str, Any], source: str) -> tuple[DynamicRule, ...]:
+    """GPTQModel's `dynamic` settings: {"[+:|-:]regex": {overrides}}, in order (see DynamicRule).
+    Overrides of bits, group_size, sym and desc_act are kept; other keys do not change how a
+    checkpoint reads."""
+    value = raw.get("dynamic")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{source}: dynamic={value!r} must be an object of rules")
+    rules = []
+    for key, overrides in value.items():
+        where = f"{source}: dynamic rule {key!r}"
+        if not isinstance(overrides, dict):
+            raise CheckpointError(f"{where} must map to an object, got {overrides!r}")
+        pattern = key[2:] if key.startswith(("-:", "+:")) else key
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise CheckpointError(f"{where} is not a valid regular expression: {e}") from None
+        picked: list[tuple[str, int | bool | None]] = []
+        if "bits" in overrides:
+            bits = overrides["bits"]
+            if isinstance(bits, bool) or not isinstance(bits, int):
+                raise CheckpointError(f"{where}: bits={bits!r} must be an integer")
+            picked.append(("bits", bits))
+        if "group_size" in overrides:
+            picked.append(("group_size", _group_size(overrides["group_size"], where)))
+        picked += [
+            (f, _flag(overrides, f, False, where)) for f in ("sym", "desc_act") if f in overrides
+        ]
+        rules.append(DynamicRule(pattern, key.startswith("-:"), tuple(picked)))
+    return tuple(rules)
+
+
+def _dynamic_dict(rules: tuple[DynamicRule, ...]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for rule in rules:
+        overrides = {k: -1 if k == "group_size" and v is None else v for k, v in rule.overrides}
+        out[("-:" if rule.skip else "+:") + rule.pattern] = overrides
+    return out
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -8,9 +8,20 @@ Settings are looked up in `quantize_config.json`, `quant_config.json`, then
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DynamicRule:
+    """One entry of GPTQModel's `dynamic` settings: modules whose name matches `pattern` (a regex,
+    matched from the start of the name) are left unquantized (`skip`, a "-:" key) or quantized
+    with `overrides` of the settings. The first matching rule wins."""
+
+    pattern: str
+    skip: bool
+    overrides: tuple[tuple[str, int | bool | None], ...] = ()  # bits, group_size, sym, desc_act
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +38,17 @@ class GPTQConfig:
     damp_percent: float = 0.01  # quantization time only, kept for round trips
     true_sequential: bool = True  # quantization time only, kept for round trips
     quantizer: tuple[str, ...] = ()  # meta.quantizer: the "tool:version" entries that wrote it
+    dynamic: tuple[DynamicRule, ...] = ()  # per-module exceptions (GPTQModel), in order
+
+    def for_module(self, name: str) -> GPTQConfig | None:
+        """The settings of the checkpoint linear `name` after the dynamic rules; None: a rule
+        leaves it unquantized."""
+        for rule in self.dynamic:
+            if re.match(rule.pattern, name):
+                if rule.skip:
+                    return None
+                return replace(self, dynamic=(), **dict(rule.overrides))  # type: ignore[arg-type]
+        return self
 
     @property
     def zero_offset(self) -> int:

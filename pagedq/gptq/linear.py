@@ -69,17 +69,24 @@ class GPTQLinear(torch.nn.Module):
     def __init__(
         self,
         parts: Sequence[GPTQTensors],
-        config: GPTQConfig,
+        config: GPTQConfig | Sequence[GPTQConfig],  # one for all parts, or one per part
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
-        _check_config(config)
+        configs = [config] * len(parts) if isinstance(config, GPTQConfig) else list(config)
+        if len(configs) != len(parts):
+            raise ConfigError(f"GPTQLinear got {len(configs)} configs for {len(parts)} parts")
+        for c in configs:
+            _check_config(c)
         if dtype not in _DTYPES:
             raise ConfigError(f"GPTQLinear dtype {dtype} is not supported; use one of {_DTYPES}")
         if len(parts) == 0:
             raise CheckpointError("GPTQLinear needs at least one checkpoint linear, got 0")
-        normalized = [_normalize_part(i, p, config, device) for i, p in enumerate(parts)]
+        normalized = [
+            _normalize_part(i, p, c, device)
+            for i, (p, c) in enumerate(zip(parts, configs, strict=True))
+        ]
         _check_same_k(normalized)
         self.in_features = int(normalized[0].q.shape[0])
         self.out_features = sum(int(p.q.shape[1]) for p in normalized)

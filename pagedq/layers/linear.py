@@ -25,3 +25,15 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)  # [T, K] -> [T, N]
+
+
+class ConcatLinear(nn.Module):
+    """Linears reading the same x, outputs concatenated in order: a fused projection whose parts
+    are stored differently (some quantized, some dense)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedq.config import ModelConfig
-from pagedq.errors import CheckpointError
+from pagedq.errors import CheckpointError, UnsupportedModelError
 from pagedq.gptq.config import GPTQConfig
-from pagedq.layers.linear import DenseLinear
+from pagedq.layers.linear import ConcatLinear, DenseLinear
 from pagedq.layers.norm import RMSNorm
 from pagedq.layers.rotary import RotaryEmbedding
 from pagedq.ops.attention import AttentionMetadata, paged_attention, write_kv
@@ -269,9 +269,25 @@ class _Builder:
     def linear(
         self, prefixes: list[str], out_sizes: list[int], in_size: int, bias: bool
     ) -> nn.Module:
-        """One module computing the concatenated outputs of `prefixes` (all reading the same x)."""
-        if self.gptq is not None and prefixes[0] + ".qweight" in self.ckpt:
-            return self.gptq_linear(prefixes, out_sizes, in_size)
+        """One module computing the concatenated outputs of `prefixes` (all reading the same x).
+        Parts stored quantized (`.qweight`) and dense ones (a GPTQ checkpoint may leave some
+        unquantized) each fuse with their neighbours of the same kind."""
+        kinds = [self.gptq is not None and f"{p}.qweight" in self.ckpt for p in prefixes]
+        modules: list[nn.Module] = []
+        start = 0
+        for end in range(1, len(prefixes) + 1):
+            if end == len(prefixes) or kinds[end] != kinds[start]:
+                run, sizes = prefixes[start:end], out_sizes[start:end]
+                if kinds[start]:
+                    modules.append(self.gptq_linear(run, sizes, in_size))
+                else:
+                    modules.append(self.dense_linear(run, sizes, in_size, bias))
+                start = end
+        return modules[0] if len(modules) == 1 else ConcatLinear(modules)
+
+    def dense_linear(
+        self, prefixes: list[str], out_sizes: list[int], in_size: int, bias: bool
+    ) -> DenseLinear:
         weights = [
             self.tensor(f"{p}.weight", (n, in_size))
             for p, n in zip(prefixes, out_sizes, strict=True)
@@ -288,6 +304,19 @@ class _Builder:
         from pagedq.gptq.linear import GPTQLinear
 
         assert self.gptq is not None
+        configs = []
+        for p in prefixes:  # the settings' dynamic rules may differ per linear
+            cfg = self.gptq.for_module(p)
+            if cfg is None:
+                raise CheckpointError(
+                    f"{p}: stored quantized, but a dynamic rule of the GPTQ settings says it is not"
+                )
+            if cfg.bits != 4:
+                raise UnsupportedModelError(
+                    f"{p}: bits={cfg.bits} (a dynamic rule of the GPTQ settings) is not "
+                    "supported; pagedq runs 4-bit"
+                )
+            configs.append(cfg)
         parts = [read_gptq_tensors(self.ckpt, p) for p in prefixes]
         for p, part, n in zip(prefixes, parts, out_sizes, strict=True):
             if (part.in_features, part.out_features) != (in_size, n):
@@ -295,7 +324,7 @@ class _Builder:
                     f"{p}: quantized weight is {part.out_features}x{part.in_features} (out x in), "
                     f"config.json implies {n}x{in_size}"
                 )
-        return GPTQLinear(parts, self.gptq, self.dtype, self.device)
+        return GPTQLinear(parts, configs, self.dtype, self.device)
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A floating-point tensor checked against the config's shape, cast to the model dtype."""
