@@ -126,6 +126,11 @@ def test_defaults_and_variants() -> None:
         ({"group_size": 128}, CheckpointError, ["bits"]),
         ({**BASE, "meta": "gptqmodel"}, CheckpointError, ["meta='gptqmodel'", "object"]),
         ({**BASE, "meta": {"quantizer": [4]}}, CheckpointError, ["meta.quantizer=[4]", "strings"]),
+        ({**BASE, "dynamic": ["-:.*"]}, CheckpointError, ["dynamic=['-:.*']", "object"]),
+        ({**BASE, "dynamic": {"-:.*": None}}, CheckpointError, ["'-:.*'", "object"]),
+        ({**BASE, "dynamic": {"+:(": {}}}, CheckpointError, ["'+:('", "regular expression"]),
+        ({**BASE, "dynamic": {"x": {"bits": "8"}}}, CheckpointError, ["'x'", "bits='8'"]),
+        ({**BASE, "dynamic": {"x": {"group_size": 0}}}, UnsupportedModelError, ["group_size=0"]),
     ],
 )
 def test_rejected_settings(raw: dict[str, Any], error: type, words: list[str]) -> None:
@@ -157,6 +162,25 @@ def test_meta_quantizer_decides_how_v1_zeros_read(quantizer: Any, by_word: bool)
     assert parse_gptq_config(gptq_config_dict(cfg)) == cfg
     v2 = parse_gptq_config({**BASE, "checkpoint_format": "gptq_v2", "meta": meta})
     assert not v2.zeros_by_word  # v2 stores zeros as they are
+
+
+def test_dynamic_rules_per_linear() -> None:
+    dynamic = {
+        r"-:.*\.layers\.0\.": {},
+        r"+:.*down_proj": {"group_size": 32, "sym": False, "adapter": {"rank": 8}},
+        r".*up_proj": {"bits": 8, "desc_act": True},
+        r".*\.layers\.[0-9]+\.mlp\.": {"group_size": -1},
+    }
+    cfg = parse_gptq_config({**BASE, "dynamic": dynamic})
+    assert cfg.for_module("model.layers.0.mlp.down_proj") is None  # the first match wins
+    down = cfg.for_module("model.layers.3.mlp.down_proj")
+    assert down is not None and (down.group_size, down.sym, down.bits) == (32, False, 4)
+    up = cfg.for_module("model.layers.3.mlp.up_proj")
+    assert up is not None and (up.bits, up.desc_act, up.group_size) == (8, True, 128)
+    gate = cfg.for_module("model.layers.3.mlp.gate_proj")
+    assert gate is not None and gate.group_size is None  # -1: one group
+    assert cfg.for_module("model.layers.3.self_attn.q_proj") == cfg  # no rule matches
+    assert parse_gptq_config(gptq_config_dict(cfg)) == cfg  # written back, in order
 
 
 def test_rejected_in_files(tmp_path: Path) -> None:

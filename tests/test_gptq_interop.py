@@ -163,7 +163,7 @@ def test_gptqmodel_and_transformers_read_what_pagedq_writes(
     ids=["asym-g32", "sym-act-g64"],
 )
 def test_pagedq_runs_a_model_gptqmodel_quantized(
-    tmp_path: Path, sym: bool, desc_act: bool, group_size: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sym: bool, desc_act: bool, group_size: int
 ) -> None:
     from gptqmodel import BACKEND, GPTQModel, QuantizeConfig  # type: ignore[import-not-found]
     from safetensors.torch import load_file, save_file
@@ -186,6 +186,7 @@ def test_pagedq_runs_a_model_gptqmodel_quantized(
         }
         for _ in range(16)
     ]
+    monkeypatch.chdir(tmp_path)  # GPTQModel's quantizer writes logs/ into the working directory
     qcfg = QuantizeConfig(bits=4, group_size=group_size, sym=sym, desc_act=desc_act)
     model = GPTQModel.load(str(src), qcfg, device="cpu")
     model.quantize(calib, batch_size=4)

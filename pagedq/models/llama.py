@@ -324,7 +324,10 @@ class _Builder:
                     f"{p}: quantized weight is {part.out_features}x{part.in_features} (out x in), "
                     f"config.json implies {n}x{in_size}"
                 )
-        return GPTQLinear(parts, configs, self.dtype, self.device)
+        try:
+            return GPTQLinear(parts, configs, self.dtype, self.device)
+        except CheckpointError as e:  # its errors count parts: name them
+            raise CheckpointError(f"{', '.join(prefixes)}: {e}") from None
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A floating-point tensor checked against the config's shape, cast to the model dtype."""
