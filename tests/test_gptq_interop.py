@@ -12,6 +12,7 @@ directions compare weights, which must agree exactly up to fp16 rounding:
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -112,16 +113,19 @@ def assert_same_weights(model: Any, out: Path) -> None:
 
     cfg, ckpt = load_gptq_config(out), Checkpoint.open(out)
     assert cfg is not None
+    quantized = {n.removesuffix(".qweight") for n in ckpt.names() if n.endswith(".qweight")}
     compared = 0
     for name, module in model.named_modules():
         suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
-        if suffix not in PROJECTIONS:
+        if suffix not in PROJECTIONS or name not in quantized:
             continue
-        ours = GPTQLinear([read_gptq_tensors(ckpt, name)], cfg, torch.float32)
+        part_cfg = cfg.for_module(name)
+        assert part_cfg is not None
+        ours = GPTQLinear([read_gptq_tensors(ckpt, name)], part_cfg, torch.float32)
         theirs = module.dequantize_weight().float()  # [K, N]: W^T, in fp16
         torch.testing.assert_close(theirs.t(), ours.dequantized_weight(), rtol=1e-3, atol=0)
         compared += 1
-    assert compared == len(PROJECTIONS) * model.config.num_hidden_layers
+    assert compared == len(quantized) > 0
 
 
 @pytest.mark.parametrize(
@@ -157,13 +161,21 @@ def test_gptqmodel_and_transformers_read_what_pagedq_writes(
     assert_same_weights(model, out)
 
 
+DYNAMIC = {r"-:.*\.0\.self_attn\.k_proj": {}, r"+:.*\.1\.mlp\.down_proj": {"group_size": 128}}
+
+
 @pytest.mark.parametrize(
-    ("sym", "desc_act", "group_size"),
-    [(False, False, 32), (True, True, 64)],
-    ids=["asym-g32", "sym-act-g64"],
+    ("sym", "desc_act", "group_size", "dynamic"),
+    [(False, False, 32, None), (True, True, 64, None), (True, False, 64, DYNAMIC)],
+    ids=["asym-g32", "sym-act-g64", "dynamic"],
 )
 def test_pagedq_runs_a_model_gptqmodel_quantized(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sym: bool, desc_act: bool, group_size: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sym: bool,
+    desc_act: bool,
+    group_size: int,
+    dynamic: dict[str, dict[str, int]] | None,
 ) -> None:
     from gptqmodel import BACKEND, GPTQModel, QuantizeConfig  # type: ignore[import-not-found]
     from safetensors.torch import load_file, save_file
@@ -187,7 +199,9 @@ def test_pagedq_runs_a_model_gptqmodel_quantized(
         for _ in range(16)
     ]
     monkeypatch.chdir(tmp_path)  # GPTQModel's quantizer writes logs/ into the working directory
-    qcfg = QuantizeConfig(bits=4, group_size=group_size, sym=sym, desc_act=desc_act)
+    qcfg = QuantizeConfig(
+        bits=4, group_size=group_size, sym=sym, desc_act=desc_act, dynamic=dynamic
+    )
     model = GPTQModel.load(str(src), qcfg, device="cpu")
     model.quantize(calib, batch_size=4)
     model.save(str(tmp_path / "q"))
@@ -199,6 +213,11 @@ def test_pagedq_runs_a_model_gptqmodel_quantized(
             read_gptq_tensors(Checkpoint.open(out), "model.layers.0.self_attn.q_proj").qzeros
         )
         assert bool((stored == 15).any())
+    if dynamic is not None:  # k_proj of layer 0 stayed dense, down_proj of layer 1 has 2 groups
+        assert "model.layers.0.self_attn.k_proj.weight" in Checkpoint.open(out)
+        assert cfg.for_module("model.layers.1.mlp.down_proj") == replace(
+            cfg, group_size=128, dynamic=()
+        )
     loaded = GPTQModel.load(str(out), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16)
     assert_same_weights(loaded.model, out)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
