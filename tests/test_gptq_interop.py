@@ -165,9 +165,14 @@ DYNAMIC = {r"-:.*\.0\.self_attn\.k_proj": {}, r"+:.*\.1\.mlp\.down_proj": {"grou
 
 
 @pytest.mark.parametrize(
-    ("sym", "desc_act", "group_size", "dynamic"),
-    [(False, False, 32, None), (True, True, 64, None), (True, False, 64, DYNAMIC)],
-    ids=["asym-g32", "sym-act-g64", "dynamic"],
+    ("sym", "desc_act", "group_size", "fmt", "dynamic"),
+    [
+        (False, False, 32, "gptq", None),
+        (False, False, 32, "gptq_v2", None),
+        (True, True, 64, "gptq", None),
+        (True, False, 64, "gptq", DYNAMIC),
+    ],
+    ids=["asym-g32", "asym-g32-v2", "sym-act-g64", "dynamic"],
 )
 def test_pagedq_runs_a_model_gptqmodel_quantized(
     tmp_path: Path,
@@ -175,6 +180,7 @@ def test_pagedq_runs_a_model_gptqmodel_quantized(
     sym: bool,
     desc_act: bool,
     group_size: int,
+    fmt: str,
     dynamic: dict[str, dict[str, int]] | None,
 ) -> None:
     from gptqmodel import BACKEND, GPTQModel, QuantizeConfig  # type: ignore[import-not-found]
@@ -200,15 +206,16 @@ def test_pagedq_runs_a_model_gptqmodel_quantized(
     ]
     monkeypatch.chdir(tmp_path)  # GPTQModel's quantizer writes logs/ into the working directory
     qcfg = QuantizeConfig(
-        bits=4, group_size=group_size, sym=sym, desc_act=desc_act, dynamic=dynamic
+        bits=4, group_size=group_size, sym=sym, desc_act=desc_act, format=fmt, dynamic=dynamic
     )
     model = GPTQModel.load(str(src), qcfg, device="cpu")
     model.quantize(calib, batch_size=4)
     model.save(str(tmp_path / "q"))
     out = tmp_path / "q"
     cfg = load_gptq_config(out)
-    assert cfg is not None and cfg.checkpoint_format == "gptq" and cfg.zeros_by_word
-    if not sym:  # the borrow this reading exists for happened
+    assert cfg is not None and cfg.checkpoint_format == fmt
+    assert cfg.zeros_by_word == (fmt == "gptq")
+    if not sym and fmt == "gptq":  # the borrow this reading exists for happened
         stored = unpack_cols(
             read_gptq_tensors(Checkpoint.open(out), "model.layers.0.self_attn.q_proj").qzeros
         )
