@@ -2,8 +2,8 @@
 
 GPTQModel is not a dependency of pagedq, so this module is skipped where it is not importable.
 The benchmark machine has its wheels (`bench/gpu_run.sh peers`); on a CPU machine, install
-`gptqmodel` (and `optimum` for the transformers loader) into the test environment. Both
-directions compare weights, which must agree exactly up to fp16 rounding:
+`gptqmodel` (and `optimum` for the transformers loader) into the test environment. All
+three compare weights, which must agree exactly up to fp16 rounding:
 - GPTQModel's packer and its v1 export write a linear, pagedq reads it;
 - GPTQModel quantizes a tiny Llama, pagedq loads and runs the folder;
 - pagedq's quantizer writes a model folder, GPTQModel and transformers load it.
@@ -25,7 +25,7 @@ from pagedq.gptq.linear import GPTQLinear
 from pagedq.gptq.quantizer import QuantizeOptions, quantize_model
 
 os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")  # no JIT build: the Python packer
-os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "4")  # its default pool wants more CPUs than CI has
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "4")  # its default pool fails on 2 cores
 gptqmodel = pytest.importorskip("gptqmodel")
 
 PROJECTIONS = (
