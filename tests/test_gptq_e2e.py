@@ -72,16 +72,34 @@ def test_gptq_model_greedy_matches_transformers_on_dequantized_weights(
     calib = torch.randint(3, 384, (8, 32), generator=torch.Generator().manual_seed(0))
     gptq_dir = quantize_model(src, tmp_path / "q", opts, progress=False, calibration_tokens=calib)
     assert all(f"model.layers.0.{p}.qweight" in Checkpoint.open(gptq_dir) for p in PROJECTIONS)
-    dense = dense_copy(gptq_dir, tmp_path / "dense")
     prompts = [[5, 9, 33, 2 + i, 100 + 7 * i] * (1 + i) for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
-    outs = LLM(str(gptq_dir), device="cpu", num_blocks=64).generate(prompts, params, use_tqdm=False)
+    assert_greedy_matches_dense(gptq_dir, tmp_path / "dense", prompts, steps=16, num_blocks=64)
+
+
+def assert_greedy_matches_dense(
+    gptq_dir: Path, dense_dir: Path, prompts: list[list[int]], steps: int, num_blocks: int
+) -> None:
+    """pagedq on `gptq_dir` gives transformers' greedy tokens and top-5 log-probs on the same
+    weights dequantized into `dense_dir`."""
+    dense = dense_copy(gptq_dir, dense_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=5)
+    llm = LLM(str(gptq_dir), device="cpu", num_blocks=num_blocks)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     hf = hf_model(dense)
     for prompt, out in zip(prompts, outs, strict=True):
-        ref, ref_lp = hf_greedy(hf, prompt, 16)
+        ref, ref_lp = hf_greedy(hf, prompt, steps)
         got = out.outputs[0]
         assert got.logprobs is not None
         assert_agrees(got.token_ids, got.logprobs, ref, ref_lp)
+
+
+def rewrite(gptq_dir: Path, tensors: dict[str, torch.Tensor], **settings: object) -> None:
+    """Replace the folder's weights and set `settings` in both of its GPTQ settings files."""
+    save_file(tensors, str(gptq_dir / "model.safetensors"))
+    for name in ("config.json", "quantize_config.json"):
+        raw = json.loads((gptq_dir / name).read_text())
+        raw.get("quantization_config", raw).update(settings)
+        (gptq_dir / name).write_text(json.dumps(raw))
 
 
 def quantize_lm_head(gptq_dir: Path, opts: QuantizeOptions) -> None:
@@ -93,11 +111,7 @@ def quantize_lm_head(gptq_dir: Path, opts: QuantizeOptions) -> None:
     packed, _ = rtn_quantize_weight(head, opts)
     for leaf in ("qweight", "qzeros", "scales", "g_idx"):
         tensors[f"lm_head.{leaf}"] = getattr(packed, leaf)
-    save_file(tensors, str(gptq_dir / "model.safetensors"))
-    for name in ("config.json", "quantize_config.json"):
-        raw = json.loads((gptq_dir / name).read_text())
-        (raw.get("quantization_config", raw))["lm_head"] = True
-        (gptq_dir / name).write_text(json.dumps(raw))
+    rewrite(gptq_dir, tensors, lm_head=True)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -112,25 +126,8 @@ def test_quantized_lm_head_matches_transformers(tmp_path: Path, tied: bool) -> N
     assert cfg is not None and cfg.lm_head
     assert "lm_head.weight" not in Checkpoint.open(gptq_dir)
     assert isinstance(load_llama(gptq_dir, torch.float32).lm_head, GPTQLinear)
-    dense = dense_copy(gptq_dir, tmp_path / "dense")
     prompts = [[5, 9, 33, 2, 100], [7, 8, 9] * 5]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
-    outs = LLM(str(gptq_dir), device="cpu", num_blocks=32).generate(prompts, params, use_tqdm=False)
-    hf = hf_model(dense)
-    for prompt, out in zip(prompts, outs, strict=True):
-        ref, ref_lp = hf_greedy(hf, prompt, 12)
-        got = out.outputs[0]
-        assert got.logprobs is not None
-        assert_agrees(got.token_ids, got.logprobs, ref, ref_lp)
-
-
-def rewrite(gptq_dir: Path, tensors: dict[str, torch.Tensor], dynamic: dict[str, dict]) -> None:
-    """Replace the folder's weights and add GPTQModel `dynamic` rules to both settings files."""
-    save_file(tensors, str(gptq_dir / "model.safetensors"))
-    for name in ("config.json", "quantize_config.json"):
-        raw = json.loads((gptq_dir / name).read_text())
-        (raw.get("quantization_config", raw))["dynamic"] = dynamic
-        (gptq_dir / name).write_text(json.dumps(raw))
+    assert_greedy_matches_dense(gptq_dir, tmp_path / "dense", prompts, steps=12, num_blocks=32)
 
 
 def test_dynamic_rules_leave_linears_dense_or_regroup_them(tmp_path: Path) -> None:
@@ -150,22 +147,15 @@ def test_dynamic_rules_leave_linears_dense_or_regroup_them(tmp_path: Path) -> No
     for leaf in ("qweight", "qzeros", "scales", "g_idx"):
         tensors[f"{down}.{leaf}"] = getattr(regrouped, leaf)
     rules = {r"-:.*\.0\.self_attn\.k_proj": {}, r"+:.*\.1\.mlp\.down_proj": {"group_size": 64}}
-    rewrite(gptq_dir, tensors, rules)
+    rewrite(gptq_dir, tensors, dynamic=rules)
     model = load_llama(gptq_dir, torch.float32)
     assert isinstance(model.layers[0].self_attn.qkv_proj, ConcatLinear)
-    dense = dense_copy(gptq_dir, tmp_path / "dense")
     prompts = [[5, 9, 33, 2, 100], [7, 8, 9] * 5]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
-    outs = LLM(str(gptq_dir), device="cpu", num_blocks=32).generate(prompts, params, use_tqdm=False)
-    hf = hf_model(dense)
-    for prompt, out in zip(prompts, outs, strict=True):
-        ref, ref_lp = hf_greedy(hf, prompt, 12)
-        assert out.outputs[0].logprobs is not None
-        assert_agrees(out.outputs[0].token_ids, out.outputs[0].logprobs, ref, ref_lp)
-    rewrite(gptq_dir, tensors, {**rules, r".*\.1\.mlp\.up_proj": {"bits": 8}})
+    assert_greedy_matches_dense(gptq_dir, tmp_path / "dense", prompts, steps=12, num_blocks=32)
+    rewrite(gptq_dir, tensors, dynamic={**rules, r".*\.1\.mlp\.up_proj": {"bits": 8}})
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.up_proj: bits=8"):
         load_llama(gptq_dir, torch.float32)
-    rewrite(gptq_dir, tensors, {r"-:.*\.mlp\.": {}})  # says unquantized, stored quantized
+    rewrite(gptq_dir, tensors, dynamic={r"-:.*\.mlp\.": {}})  # says dense, stored quantized
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj: stored"):
         load_llama(gptq_dir, torch.float32)
 
