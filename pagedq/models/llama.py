@@ -10,6 +10,7 @@ tokens mixed) with explicit `AttentionMetadata`; every attention and linear op g
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -272,18 +273,18 @@ class _Builder:
         """One module computing the concatenated outputs of `prefixes` (all reading the same x).
         Parts stored quantized (`.qweight`) and dense ones (a GPTQ checkpoint may leave some
         unquantized) each fuse with their neighbours of the same kind."""
-        kinds = [self.gptq is not None and f"{p}.qweight" in self.ckpt for p in prefixes]
         modules: list[nn.Module] = []
-        start = 0
-        for end in range(1, len(prefixes) + 1):
-            if end == len(prefixes) or kinds[end] != kinds[start]:
-                run, sizes = prefixes[start:end], out_sizes[start:end]
-                if kinds[start]:
-                    modules.append(self.gptq_linear(run, sizes, in_size))
-                else:
-                    modules.append(self.dense_linear(run, sizes, in_size, bias))
-                start = end
+        parts = zip(prefixes, out_sizes, strict=True)
+        for quantized, run in itertools.groupby(parts, key=lambda part: self.quantized(part[0])):
+            names, sizes = map(list, zip(*run, strict=True))
+            if quantized:
+                modules.append(self.gptq_linear(names, sizes, in_size))
+            else:
+                modules.append(self.dense_linear(names, sizes, in_size, bias))
         return modules[0] if len(modules) == 1 else ConcatLinear(modules)
+
+    def quantized(self, prefix: str) -> bool:
+        return self.gptq is not None and f"{prefix}.qweight" in self.ckpt
 
     def dense_linear(
         self, prefixes: list[str], out_sizes: list[int], in_size: int, bias: bool
