@@ -71,6 +71,7 @@ class BatchOptions:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "float32" | "float16" | "bfloat16"
     num_blocks: int | None = None  # KV pool size; None: from the memory budget
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly, not from CUDA graphs
     input_format: str = "auto"  # "auto" (by suffix, else first line) | "jsonl" | "text"
     limit: int | None = None  # only the first N non-blank input lines
     progress: bool = True  # progress bar on stderr
@@ -224,6 +225,7 @@ def _load_llm(
         max_model_len=max_model_len,
         max_num_seqs=opts.max_num_seqs,
         seed=params.seed or 0,
+        enforce_eager=opts.enforce_eager,
     )
     return llm, time.perf_counter() - start
 

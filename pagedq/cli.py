@@ -161,6 +161,11 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto"
     )
+    group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs",
+    )
 
 
 def run_batch_command(args: argparse.Namespace) -> int:
@@ -210,6 +215,7 @@ def batch_options(args: argparse.Namespace) -> BatchOptions:
         device=args.device,
         dtype=args.dtype,
         num_blocks=args.num_blocks,
+        enforce_eager=args.enforce_eager,
         input_format=args.input_format,
         limit=args.limit,
         progress=not args.quiet,

@@ -71,6 +71,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # tokens per step; None: 8192 (>= max_model_len)
     enable_chunked_prefill: bool = True  # split long prompts across steps
     seed: int = 0  # seed of the global RNG (unseeded requests)
+    enforce_eager: bool = False  # CUDA: never replay decode steps from CUDA graphs
 
     def __post_init__(self) -> None:
         from pagedq.errors import ConfigError
@@ -83,6 +84,8 @@ class EngineConfig:
             raise ConfigError(
                 f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}"
             )
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         _positive("num_blocks", self.num_blocks)
         _positive("kv_cache_bytes", self.kv_cache_bytes)
         _positive("max_model_len", self.max_model_len)

@@ -39,6 +39,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
         seed: int = 0,
+        enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig(
             model=None if model is None else str(model),
@@ -55,6 +56,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
             seed=seed,
+            enforce_eager=enforce_eager,
         )
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer

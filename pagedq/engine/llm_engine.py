@@ -78,7 +78,15 @@ class Engine:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(self.model, r.num_blocks, config.block_size, r.dtype)
+        self.runner = ModelRunner(
+            self.model,
+            r.num_blocks,
+            config.block_size,
+            r.dtype,
+            max_model_len=r.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            enforce_eager=config.enforce_eager,
+        )
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
@@ -336,8 +344,9 @@ class Engine:
     # --- metrics -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int | float | str]:
-        """Prefix-cache and pool counters."""
+        """Prefix-cache and pool counters, and the decode steps replayed from CUDA graphs."""
         bm, st = self.block_manager, self.block_manager.stats
+        graphs = self.runner.graphs
         return {
             "cache_mode": self.config.cache,
             "num_blocks": bm.num_blocks,
@@ -353,4 +362,6 @@ class Engine:
             "peak_blocks_used": st.peak_used_blocks,
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.scheduler.num_steps,
+            "cuda_graphs": graphs.num_graphs if graphs is not None else 0,
+            "graph_steps": graphs.replays if graphs is not None else 0,
         }

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedq.engine.cuda_graphs import DecodeGraphs, DecodeStep
 from pagedq.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedq.models.llama import LlamaForCausalLM, allocate_kv_caches
 from pagedq.ops.attention import AttentionMetadata
@@ -19,10 +20,22 @@ CASCADE_MIN_BLOCKS = 4
 
 
 class ModelRunner:
-    """Runs flat batches of prefill chunks and decode tokens over the paged KV cache."""
+    """Runs flat batches of prefill chunks and decode tokens over the paged KV cache.
+
+    On CUDA, plain decode steps replay captured graphs (`DecodeGraphs`) unless
+    `enforce_eager`; every other step, and every step on CPU, runs the model eagerly.
+    """
 
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        *,
+        max_model_len: int,
+        max_num_seqs: int,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -30,14 +43,45 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             model.config, num_blocks, block_size, dtype, self.device
         )
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not enforce_eager:
+            self.graphs = DecodeGraphs(
+                model, self.kv_caches, block_size, max_model_len, max_num_seqs
+            )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Forward every chunk; logits [num_sampling_chunks, vocab] fp32, in chunk order."""
+        """Forward every chunk; logits [num_sampling_chunks, vocab] fp32, in chunk order (a
+        replayed step's logits are valid until the next step)."""
         self._copy_blocks(out.blocks_to_copy)
+        if self.graphs is not None:
+            step = self._decode_step(out.chunks)
+            if step is not None:
+                logits = self.graphs.run(step, max(step.seq_lens))
+                if logits is not None:
+                    return logits
         input_ids, positions, meta, last = self._prepare(out.chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         return self.model.compute_logits(hidden[last])
+
+    def _decode_step(self, chunks: Sequence[ScheduledChunk]) -> DecodeStep | None:
+        """The step as a `DecodeStep` when it is a plain decode step (one token per sequence,
+        no shared leading pages for the cascade path), else None."""
+        if any(c.num_tokens != 1 for c in chunks):
+            return None
+        bs = self.block_size
+        tables = [c.seq.block_table for c in chunks]
+        seq_lens = [c.start + 1 for c in chunks]
+        if shared_prefix_len(tables, seq_lens, bs):
+            return None
+        return DecodeStep(
+            tokens=[c.seq.token_ids[c.start] for c in chunks],
+            positions=[c.start for c in chunks],
+            slots=[c.seq.block_table[c.start // bs] * bs + c.start % bs for c in chunks],
+            seq_lens=seq_lens,
+            tables=tables,
+            sampling_rows=[i for i, c in enumerate(chunks) if c.samples],
+        )
 
     def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:

@@ -1,0 +1,138 @@
+"""On the GPU: decode steps replayed from CUDA graphs give the tokens of eager steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedq import LLM, SamplingParams
+from pagedq.config import EngineConfig
+from pagedq.engine.llm_engine import Engine
+from pagedq.gptq.quantizer import QuantizeOptions, quantize_model
+from pagedq.outputs import RequestOutput
+from tests.test_engine_hf import assert_agrees
+from tests.tiny_models import make_tiny_llama
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+VOCAB = 2048
+SHAPE = {"vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 704, "num_layers": 3,
+         "num_heads": 8, "num_kv_heads": 2, "head_dim": 32}  # fmt: skip
+
+
+def ragged_prompts(count: int) -> list[list[int]]:
+    """Lengths 1..~600, so steps fall in the 256, 512 and 1024 context buckets."""
+    g = torch.Generator().manual_seed(11)
+    lengths = [1, 17, 300, 77, 600, 5, 250, 33, 129, 9, 400, 64, 2][:count]
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(
+    folder: Path, prompts: list[list[int]], dtype: str, eager: bool
+) -> tuple[LLM, list[RequestOutput]]:
+    llm = LLM(str(folder), device="cuda", dtype=dtype, num_blocks=512, enforce_eager=eager)
+    # different lengths: sequences leave at different steps, so decode batches shrink
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True, logprobs=5)
+        for i in range(len(prompts))
+    ]
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+def assert_same_generations(got: list[RequestOutput], expected: list[RequestOutput]) -> None:
+    for a, b in zip(got, expected, strict=True):
+        ref = []
+        for entry in b.outputs[0].logprobs or []:
+            dense = torch.full((VOCAB,), -1e9)
+            for tok, lp in entry.items():
+                dense[tok] = lp
+            ref.append(dense)
+        out = a.outputs[0]
+        assert out.logprobs is not None
+        assert_agrees(out.token_ids, out.logprobs, b.outputs[0].token_ids, ref)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_graph_decode_matches_eager_dense(tmp_path: Path, dtype: str) -> None:
+    folder = make_tiny_llama(tmp_path / "m", **SHAPE)
+    prompts = ragged_prompts(13)
+    graphed, got = run(folder, prompts, dtype, eager=False)
+    eager, expected = run(folder, prompts, dtype, eager=True)
+    stats = graphed.stats()
+    assert stats["graph_steps"] > 0 and int(stats["cuda_graphs"]) >= 4  # several buckets
+    assert eager.stats()["graph_steps"] == 0
+    assert_same_generations(got, expected)
+
+
+def test_graph_decode_matches_eager_gptq(tmp_path: Path) -> None:
+    src = make_tiny_llama(tmp_path / "src", **SHAPE)
+    gptq_dir = quantize_model(
+        src, tmp_path / "q", QuantizeOptions(group_size=64, method="rtn"), progress=False
+    )
+    prompts = ragged_prompts(13)
+    graphed, got = run(gptq_dir, prompts, "float16", eager=False)
+    _, expected = run(gptq_dir, prompts, "float16", eager=True)
+    assert graphed.stats()["graph_steps"] > 0
+    assert_same_generations(got, expected)
+
+
+def test_requests_joining_and_aborting_mid_run(tmp_path: Path) -> None:
+    """Continuous batching: the batch changes bucket every few steps; an abort frees its rows."""
+    folder = make_tiny_llama(tmp_path / "m", **SHAPE)
+    prompts = ragged_prompts(9)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    def drive(eager: bool) -> dict[str, list[int]]:
+        engine = Engine(
+            EngineConfig(model=str(folder), device="cuda", dtype="float32", num_blocks=512,
+                         enforce_eager=eager)
+        )  # fmt: skip
+        done: dict[str, list[int]] = {}
+        pending = list(enumerate(prompts))
+        steps = 0
+        while pending or engine.has_unfinished_requests():
+            if pending and steps % 3 == 0:
+                i, prompt = pending.pop(0)
+                engine.add_request(prompt, params, request_id=f"r{i}")
+            if steps == 7:
+                engine.abort("r1")
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+        return done
+
+    graphed, eager = drive(eager=False), drive(eager=True)
+    assert "r1" not in graphed and graphed.keys() == eager.keys()
+    same = sum(graphed[k] == eager[k] for k in graphed)
+    assert same >= len(graphed) - 1  # fp32: a late near-tie may flip at most one row
+
+
+def test_a_failed_capture_falls_back_to_eager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = make_tiny_llama(tmp_path / "m", **SHAPE)
+    prompts = ragged_prompts(3)
+    _, expected = run(folder, prompts, "float32", eager=True)
+
+    class Broken:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            raise RuntimeError("capture refused (test)")
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "graph", Broken)
+    with pytest.warns(RuntimeWarning, match="decode steps run eagerly"):
+        llm, got = run(folder, prompts, "float32", eager=False)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and not graphs.enabled and graphs.replays == 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
