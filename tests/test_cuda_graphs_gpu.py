@@ -44,7 +44,14 @@ def run(
     return llm, llm.generate(prompts, params, use_tqdm=False)
 
 
-def assert_same_generations(got: list[RequestOutput], expected: list[RequestOutput]) -> None:
+def assert_same_generations(
+    got: list[RequestOutput], expected: list[RequestOutput], dtype: str
+) -> None:
+    """Greedy tokens and log-probs of graph and eager runs agree. The two differ only in
+    summation order (the graphs' attention plans a split for the context bucket, eager
+    steps for the exact longest context): fp16 hidden states then move log-probs by a few
+    1e-3, fp32 ones by far less."""
+    tol = 2e-3 if dtype == "float32" else 3e-2
     for a, b in zip(got, expected, strict=True):
         ref = []
         for entry in b.outputs[0].logprobs or []:
@@ -54,7 +61,7 @@ def assert_same_generations(got: list[RequestOutput], expected: list[RequestOutp
             ref.append(dense)
         out = a.outputs[0]
         assert out.logprobs is not None
-        assert_agrees(out.token_ids, out.logprobs, b.outputs[0].token_ids, ref)
+        assert_agrees(out.token_ids, out.logprobs, b.outputs[0].token_ids, ref, tol)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -66,7 +73,7 @@ def test_graph_decode_matches_eager_dense(tmp_path: Path, dtype: str) -> None:
     stats = graphed.stats()
     assert stats["graph_steps"] > 0 and int(stats["cuda_graphs"]) >= 4  # several buckets
     assert eager.stats()["graph_steps"] == 0
-    assert_same_generations(got, expected)
+    assert_same_generations(got, expected, dtype)
 
 
 def test_graph_decode_matches_eager_gptq(tmp_path: Path) -> None:
@@ -78,7 +85,7 @@ def test_graph_decode_matches_eager_gptq(tmp_path: Path) -> None:
     graphed, got = run(gptq_dir, prompts, "float16", eager=False)
     _, expected = run(gptq_dir, prompts, "float16", eager=True)
     assert graphed.stats()["graph_steps"] > 0
-    assert_same_generations(got, expected)
+    assert_same_generations(got, expected, "float16")
 
 
 def test_requests_joining_and_aborting_mid_run(tmp_path: Path) -> None:
