@@ -1,9 +1,11 @@
-"""RMSNorm, computed in fp32 like the reference implementation."""
+"""RMSNorm, computed in fp32 like the reference implementation (`pagedq.ops.fused`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedq.ops.fused import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -15,6 +17,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # [T, hidden]
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)  # [T, hidden]
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm of residual + x, residual + x): the residual add fused into the norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,7 +1,8 @@
 """Rotary position embedding (half-split layout, as HF Llama), with llama3 / linear scaling.
 
 Cos/sin are computed from the positions of each step rather than read from a table, so any
-position up to the model's limit works and nothing depends on the batch shape.
+position up to the model's limit works and nothing depends on the batch shape
+(`pagedq.ops.fused.rotary_embedding`: one kernel on the GPU).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from pagedq.config import ModelConfig, RopeScaling
+from pagedq.ops.fused import rotary_embedding
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -56,14 +58,5 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
-        cos = emb.cos().to(q.dtype).unsqueeze(1)  # [T, 1, head_dim]
-        sin = emb.sin().to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        """q and k rotated (possibly in place: use the returned tensors)."""
+        return rotary_embedding(positions, q, k, self.inv_freq)

@@ -26,6 +26,7 @@ from pagedq.layers.linear import ConcatLinear, DenseLinear
 from pagedq.layers.norm import RMSNorm
 from pagedq.layers.rotary import RotaryEmbedding
 from pagedq.ops.attention import AttentionMetadata, paged_attention, write_kv
+from pagedq.ops.fused import silu_mul
 
 if TYPE_CHECKING:
     from pagedq.loader.weights import Checkpoint
@@ -70,8 +71,7 @@ class LlamaMLP(nn.Module):
         self.intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -91,13 +91,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor,  # [T, hidden]: the previous layer's output (or the embeddings)
+        residual: torch.Tensor | None,  # [T, hidden]: the stream before it (None: first layer)
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it): each add is fused into the
+        next norm, so the stream is `residual + output` after the layer."""
+        if residual is None:
+            residual, x = hidden, self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm.add_forward(hidden, residual)
+        attn = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,9 +133,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.add_forward(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab] fp32."""

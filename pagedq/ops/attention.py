@@ -27,17 +27,12 @@ every step, get a few cheap comparisons.
 
 from __future__ import annotations
 
-import functools
-import importlib
-import os
-import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
 
 import torch
 
-from pagedq.errors import ConfigError
 from pagedq.ops.attention_checks import (
     BACKEND_ENV,
     check_attention,
@@ -52,6 +47,7 @@ from pagedq.ops.attention_reference import (
     reference_prefill_attention,
     reference_write_kv,
 )
+from pagedq.ops.triton_loader import env_backend, load_kernels
 
 __all__ = [
     "AttentionMetadata",
@@ -65,8 +61,6 @@ __all__ = [
     "reference_write_kv",
     "write_kv",
 ]
-
-BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,47 +262,15 @@ def paged_attention(
 
 def attention_backend(device: torch.device) -> Literal["triton", "torch"]:
     """The backend PAGEDQ_ATTENTION_BACKEND selects for tensors on `device`."""
-    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ConfigError(
-            f"{BACKEND_ENV}={os.environ[BACKEND_ENV]!r} is not a backend; choose one of {BACKENDS}"
-        )
-    if value == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return "triton" if value == "triton" else "torch"
+    return env_backend(BACKEND_ENV, device)
 
 
 def _triton_kernels(name: str, device: torch.device) -> ModuleType:
     """`triton_kernels.<name>`, imported in the Triton interpreter when run on CPU tensors."""
-    module_name = f"triton_kernels.{name}"
-    module = sys.modules.get(module_name)
-    on_cpu = device.type == "cpu"
-    if module is None:
-        if on_cpu:
-            os.environ["TRITON_INTERPRET"] = "1"  # read by @triton.jit when the module loads
-        module = importlib.import_module(module_name)
-    if on_cpu and not _is_interpreted(module_name):
-        raise ConfigError(
-            f"{module_name} was compiled for the GPU earlier in this process, so it cannot run "
-            "on CPU tensors; set TRITON_INTERPRET=1 before the first kernel call"
-        )
-    return module
-
-
-@functools.cache
-def _is_interpreted(module_name: str) -> bool:
-    """Whether every kernel of the module (and of the shared building blocks) is interpreted;
-    fixed once the module is imported."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    names: tuple[str, ...] = (module_name, "triton_kernels.paged_attention_common")
-    if module_name == "triton_kernels.paged_cascade":
-        names += ("triton_kernels.paged_decode",)  # it launches the decode kernels too
-    kernels = [
-        obj for name in names if name in sys.modules for obj in vars(sys.modules[name]).values()
-        if type(obj).__name__ in ("JITFunction", "InterpretedFunction")
-    ]  # fmt: skip
-    return all(isinstance(fn, InterpretedFunction) for fn in kernels)
+    companions: tuple[str, ...] = ("triton_kernels.paged_attention_common",)
+    if name == "paged_cascade":
+        companions += ("triton_kernels.paged_decode",)  # it launches the decode kernels too
+    return load_kernels(f"triton_kernels.{name}", device, companions)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

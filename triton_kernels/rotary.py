@@ -1,0 +1,95 @@
+"""Rotary position embedding of q and k, in place (half-split layout, as HF Llama).
+
+Algorithm: one program per token computes the angles position * inv_freq in fp32, their cos
+and sin rounded to the tensors' dtype (as the reference and transformers round them), and
+rotates every head of its q and k row: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for the
+two halves x1, x2 of a head, in fp32 with one rounding.
+
+Tensor layouts:
+  q          [num_tokens, num_heads, head_dim], last dim contiguous (a view of the qkv output)
+  k          [num_tokens, num_kv_heads, head_dim], last dim contiguous
+  positions  [num_tokens] int
+  inv_freq   [head_dim / 2] fp32
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(x_ptr, row, stride_h, cos, sin, offs_h, offs_d, mask, HALF: tl.constexpr):
+    """Rotate the [heads, head_dim] row at x_ptr + row in place."""
+    at = x_ptr + row + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(at, mask=mask, other=0.0)
+    x2 = tl.load(at + HALF, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(at, (a * cos - b * sin).to(x1.dtype), mask=mask)
+    tl.store(at + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    # pointers
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    inv_freq_ptr,
+    # strides
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    # constexprs
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    H_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+
+    # -- the token's angles: cos and sin rounded to q's dtype -------------------------------
+    offs_d = tl.arange(0, HALF_PAD)
+    inv = tl.load(inv_freq_ptr + offs_d, mask=offs_d < HALF, other=0.0)
+    angle = tl.load(positions_ptr + token).to(tl.float32) * inv
+    dtype = q_ptr.dtype.element_ty
+    cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
+    sin = tl.sin(angle).to(dtype).to(tl.float32)[None, :]
+
+    # -- rotate every head of q, then of k -------------------------------------------------
+    offs_h = tl.arange(0, H_PAD)
+    d_ok = offs_d[None, :] < HALF
+    q_mask = (offs_h[:, None] < NUM_HEADS) & d_ok
+    _rotate_heads(q_ptr, token * stride_qt, stride_qh, cos, sin, offs_h, offs_d, q_mask, HALF)
+    k_mask = (offs_h[:, None] < NUM_KV_HEADS) & d_ok
+    _rotate_heads(k_ptr, token * stride_kt, stride_kh, cos, sin, offs_h, offs_d, k_mask, HALF)
+
+
+@functools.lru_cache(maxsize=64)
+def _constants(num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, int]:
+    h_pad, half_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim // 2)
+    return {
+        "NUM_HEADS": num_heads, "NUM_KV_HEADS": num_kv_heads, "HALF": head_dim // 2,
+        "H_PAD": h_pad, "HALF_PAD": half_pad, "num_warps": 4 if h_pad * half_pad <= 2048 else 8,
+    }  # fmt: skip
+
+
+def launch(
+    positions: torch.Tensor,  # [num_tokens] int, contiguous
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], last dim contiguous, rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous, in place
+    inv_freq: torch.Tensor,  # [head_dim / 2] fp32, contiguous
+) -> None:
+    """Rotate q and k in place by their tokens' positions."""
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    _rotary_kernel[(num_tokens,)](
+        q, k, positions, inv_freq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        **_constants(num_heads, k.shape[1], head_dim),
+    )  # fmt: skip
