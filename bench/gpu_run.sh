@@ -23,7 +23,7 @@ for stage in "$@"; do
     tests) python3 -m pytest -q -m gpu tests/ -x -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" ;;
     attn-tests) python3 -m pytest -q tests/test_attention_gpu.py -p no:cacheprovider 2>&1 | tee "$out/attn_tests.log" ;;
     gptq-tests) python3 -m pytest -q tests/test_gptq_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gptq_tests.log" ;;
-    graph-tests) python3 -m pytest -q tests/test_cuda_graphs_gpu.py -p no:cacheprovider 2>&1 | tee "$out/graph_tests.log" ;;
+    graph-tests) python3 -m pytest -q tests/test_cuda_graphs_gpu.py tests/test_fused_ops.py -p no:cacheprovider 2>&1 | tee "$out/graph_tests.log" ;;
     engine-decode) python3 bench/bench_engine_decode.py --out "$out" 2>&1 | tee "$out/bench_engine_decode.log" ;;
     interop-tests) python3 -m pytest -q tests/test_gptq_interop.py -p no:cacheprovider 2>&1 | tee "$out/interop_tests.log" ;;
     attn) python3 bench/bench_attention.py --out "$out" 2>&1 | tee "$out/bench_attention.log" ;;
