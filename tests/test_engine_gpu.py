@@ -92,8 +92,12 @@ def test_bf16_engine_runs_and_prefix_modes_agree() -> None:
     }.items():
         llm = LLM(folder, device="cuda", dtype="bfloat16", num_blocks=2048, **kwargs)
         runs[name] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-    # bf16 with different batch compositions may flip near-ties late; most rows are identical.
-    same = sum(
-        a == b == c for a, b, c in zip(runs["prefix"], runs["plain"], runs["static"], strict=True)
-    )
-    assert same >= 0.8 * len(batch)
+    # plain and static run the same kernels on the same rows: identical. The cascade path of
+    # the prefix mode sums attention in another order, and bf16 then flips near-ties late in
+    # a few rows (H200, 2026-11-30: 38-44 of 48 rows identical over eager / graphed steps and
+    # fused / reference layer ops, no row differing before its 9th token).
+    assert runs["plain"] == runs["static"]
+    same = sum(a == b for a, b in zip(runs["prefix"], runs["plain"], strict=True))
+    assert same >= 0.75 * len(batch)
+    for a, b in zip(runs["prefix"], runs["plain"], strict=True):
+        assert a[:6] == b[:6]

@@ -49,6 +49,7 @@ from triton_kernels.paged_decode import (
     decode_plan,
     num_sms,
 )
+from triton_kernels.pdl import early_launch
 
 MAX_PREFIX_SPLITS = 32
 PREFIX_WAVES = 2.0  # prefix programs per SM the automatic split count aims for (H200 sweep:
@@ -281,6 +282,6 @@ def launch(
     )  # fmt: skip
     _paged_decode_reduce_kernel[(num_seqs, num_heads)](
         part, seq_lens, out, plan.own_chunk, plan.num_splits, plan.prefix_splits, prefix_len,
-        **plan.reduce_constants,
+        PDL=early_launch(q.device), **plan.reduce_constants,
     )  # fmt: skip
     return plan

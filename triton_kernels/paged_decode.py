@@ -49,8 +49,10 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from triton_kernels.paged_attention_common import attend_key_range, store_partial
+from triton_kernels.pdl import early_launch
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -237,7 +239,10 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,  # let the next kernel launch early (triton_kernels/pdl.py)
 ):
+    if PDL:
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -306,7 +311,10 @@ def _paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,  # let the next kernel launch early (triton_kernels/pdl.py)
 ):
+    if PDL:
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -378,10 +386,18 @@ def launch(
         q, k_cache, v_cache, block_tables, seq_lens, out, part,
         scale * LOG2E, plan.chunk_len, 0, 0,
         stride_q[0], stride_q[1], stride_c[0], stride_c[1], stride_c[2], block_tables.stride(0),
-        **plan.constants,
+        PDL=plan.num_splits == 1 and early_launch(q.device), **plan.constants,
     )  # fmt: skip
     if plan.num_splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_heads)](
-            part, seq_lens, out, plan.chunk_len, plan.num_splits, 0, 0, **plan.reduce_constants
+            part,
+            seq_lens,
+            out,
+            plan.chunk_len,
+            plan.num_splits,
+            0,
+            0,
+            PDL=early_launch(q.device),
+            **plan.reduce_constants,
         )
     return plan

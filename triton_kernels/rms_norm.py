@@ -20,6 +20,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from triton_kernels.pdl import early_launch
 
 
 @triton.jit
@@ -39,7 +42,10 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr = False,  # let the next kernel launch early (triton_kernels/pdl.py)
 ):
+    if PDL:
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -84,5 +90,5 @@ def launch(
         x, residual if has_residual else x, weight, out,
         residual_out if residual_out is not None else out,
         eps, x.stride(0), residual.stride(0) if residual is not None else 0,
-        **_constants(hidden, has_residual),
+        PDL=early_launch(x.device), **_constants(hidden, has_residual),
     )  # fmt: skip

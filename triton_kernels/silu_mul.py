@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from triton_kernels.pdl import early_launch
 
 BLOCK = 1024  # columns per program
 
@@ -28,7 +31,10 @@ def _silu_mul_kernel(
     # constexprs
     INTER: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # let the next kernel launch early (triton_kernels/pdl.py)
 ):
+    if PDL:
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -49,4 +55,5 @@ def launch(
     if num_tokens == 0:
         return
     grid = (num_tokens, triton.cdiv(inter, BLOCK))
-    _silu_mul_kernel[grid](x, out, x.stride(0), INTER=inter, BLOCK=BLOCK, num_warps=4)
+    pdl = early_launch(x.device)
+    _silu_mul_kernel[grid](x, out, x.stride(0), INTER=inter, BLOCK=BLOCK, PDL=pdl, num_warps=4)
