@@ -12,8 +12,10 @@ from pagedq.config import EngineConfig
 from pagedq.engine.cuda_graphs import (
     BATCH_BUCKETS,
     MIN_CONTEXT,
+    DecodeStep,
     batch_buckets,
     context_bucket,
+    padded_inputs,
     pick_bucket,
 )
 from pagedq.engine.llm_engine import Engine
@@ -44,6 +46,22 @@ def test_context_bucket_is_a_power_of_two_capped_at_the_table() -> None:
     assert context_bucket(3000, 4096) == 4096
     assert context_bucket(3000, 3008) == 3008  # a table of max_model_len rounded to pages
     assert context_bucket(100, 128) == 128
+
+
+def test_padding_rows_touch_no_kv_and_tables_fit_the_context_bucket() -> None:
+    step = DecodeStep(
+        tokens=[7, 8],
+        positions=[40, 3],
+        slots=[5 * 16 + 8, 9 * 16 + 3],
+        seq_lens=[41, 4],
+        tables=[[2, 3, 5], [9, 10, 11, 12, 13, 14]],  # a static slot reserves its whole length
+        sampling_rows=[0, 1],
+    )
+    ids, positions, slots, seq_lens, tables = padded_inputs(step, bucket=4, width=4)
+    assert ids == [7, 8, 0, 0] and positions == [40, 3, 0, 0]
+    assert slots == [88, 147, -1, -1]  # write_kv skips negative slots
+    assert seq_lens == [41, 4, 0, 0]  # attention of an empty context is 0
+    assert tables == [[2, 3, 5, 0], [9, 10, 11, 12], [0] * 4, [0] * 4]
 
 
 def test_enforce_eager_must_be_a_bool() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,9 +34,11 @@ def ragged_prompts(count: int) -> list[list[int]]:
 
 
 def run(
-    folder: Path, prompts: list[list[int]], dtype: str, eager: bool
+    folder: Path, prompts: list[list[int]], dtype: str, eager: bool, **engine: Any
 ) -> tuple[LLM, list[RequestOutput]]:
-    llm = LLM(str(folder), device="cuda", dtype=dtype, num_blocks=512, enforce_eager=eager)
+    llm = LLM(
+        str(folder), device="cuda", dtype=dtype, num_blocks=512, enforce_eager=eager, **engine
+    )
     # different lengths: sequences leave at different steps, so decode batches shrink
     params = [
         SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True, logprobs=5)
@@ -74,6 +77,17 @@ def test_graph_decode_matches_eager_dense(tmp_path: Path, dtype: str) -> None:
     assert stats["graph_steps"] > 0 and int(stats["cuda_graphs"]) >= 4  # several buckets
     assert eager.stats()["graph_steps"] == 0
     assert_same_generations(got, expected, dtype)
+
+
+def test_static_slots_longer_than_the_context_bucket(tmp_path: Path) -> None:
+    """Static slots reserve max_model_len tokens of pages; graphs read only a bucket's worth."""
+    folder = make_tiny_llama(tmp_path / "m", **SHAPE)
+    prompts = ragged_prompts(6)  # contexts up to ~650: buckets 256 and 512 of 1024, and 1024
+    static = {"cache": "static", "max_model_len": 1024, "max_num_seqs": 4}
+    graphed, got = run(folder, prompts, "float32", eager=False, **static)
+    _, expected = run(folder, prompts, "float32", eager=True, **static)
+    assert graphed.stats()["graph_steps"] > 0
+    assert_same_generations(got, expected, "float32")
 
 
 def test_graph_decode_matches_eager_gptq(tmp_path: Path) -> None:

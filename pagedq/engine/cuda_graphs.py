@@ -72,6 +72,24 @@ class DecodeStep:
     sampling_rows: list[int]  # rows whose logits are returned, ascending
 
 
+def padded_inputs(
+    step: DecodeStep, bucket: int, width: int
+) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
+    """The step's token ids, positions, slots and seq_lens padded to `bucket` rows, and its
+    block tables as `bucket` rows of `width` pages (see the module docstring for the padding).
+    A table longer than `width` (static slots reserve the whole max_model_len) is cut: no
+    context reaches past `width` pages."""
+    pad = bucket - len(step.tokens)
+    tables = [t[:width] + [0] * (width - len(t)) for t in step.tables] + [[0] * width] * pad
+    return (
+        step.tokens + [0] * pad,
+        step.positions + [0] * pad,
+        step.slots + [-1] * pad,
+        step.seq_lens + [0] * pad,
+        tables,
+    )
+
+
 class DecodeGraphs:
     """Captured decode forwards of one model over one KV pool (see the module docstring)."""
 
@@ -133,15 +151,12 @@ class DecodeGraphs:
 
     def _load(self, step: DecodeStep, bucket: int, width: int) -> None:
         """Copy the step into rows 0..bucket of the static buffers (padding rows after it)."""
-        pad = bucket - len(step.tokens)
-        tables = [t + [0] * (width - len(t)) for t in step.tables] + [[0] * width] * pad
-        host = {
-            self._ids: step.tokens + [0] * pad,
-            self._positions: step.positions + [0] * pad,
-            self._slots: step.slots + [-1] * pad,
-            self._seq_lens: step.seq_lens + [0] * pad,
-        }
-        for buffer, values in host.items():
+        ids, positions, slots, seq_lens, tables = padded_inputs(step, bucket, width)
+        for buffer, values in zip(
+            (self._ids, self._positions, self._slots, self._seq_lens),
+            (ids, positions, slots, seq_lens),
+            strict=True,
+        ):
             buffer[:bucket].copy_(_pinned(values), non_blocking=True)
         self._tables[:bucket, :width].copy_(_pinned(tables), non_blocking=True)
 
