@@ -20,6 +20,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from triton_kernels.pdl import early_launch, launch_options
 
 
 @triton.jit
@@ -44,7 +47,11 @@ def _kv_write_kernel(
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a dependent (triton_kernels/pdl.py)
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # nothing is read or written before the previous kernel is done
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -86,9 +93,10 @@ def launch(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    pdl = early_launch(k.device)
     _kv_write_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        **_constants(num_kv_heads, head_dim, k_cache.shape[1]),
+        PDL=pdl, **_constants(num_kv_heads, head_dim, k_cache.shape[1]), **launch_options(pdl),
     )  # fmt: skip

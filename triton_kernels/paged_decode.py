@@ -49,10 +49,10 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from triton_kernels.paged_attention_common import attend_key_range, store_partial
-from triton_kernels.pdl import early_launch
+from triton_kernels.pdl import early_launch, launch_options
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -239,10 +239,11 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,  # let the next kernel launch early (triton_kernels/pdl.py)
+    PDL: tl.constexpr = False,  # launched as a dependent (triton_kernels/pdl.py)
 ):
     if PDL:
         gdc_launch_dependents()
+        gdc_wait()  # nothing is read or written before the previous kernel is done
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -311,10 +312,11 @@ def _paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    PDL: tl.constexpr = False,  # let the next kernel launch early (triton_kernels/pdl.py)
+    PDL: tl.constexpr = False,  # launched as a dependent (triton_kernels/pdl.py)
 ):
     if PDL:
         gdc_launch_dependents()
+        gdc_wait()  # nothing is read or written before the previous kernel is done
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -382,11 +384,12 @@ def launch(
     if plan.part_numel:
         part = torch.empty(plan.part_numel, dtype=torch.float32, device=q.device)
     stride_q, stride_c = q.stride(), k_cache.stride()
+    pdl = early_launch(q.device)
     _paged_decode_kernel[plan.grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, part,
         scale * LOG2E, plan.chunk_len, 0, 0,
         stride_q[0], stride_q[1], stride_c[0], stride_c[1], stride_c[2], block_tables.stride(0),
-        PDL=plan.num_splits == 1 and early_launch(q.device), **plan.constants,
+        PDL=pdl, **plan.constants, **launch_options(pdl),
     )  # fmt: skip
     if plan.num_splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_heads)](

@@ -1,11 +1,13 @@
-"""Early launch of the next kernel (programmatic dependent launch, sm_90+).
+"""Programmatic dependent launch (PDL, sm_90+) of the kernels of a decode step.
 
-The CUDA GPTQ matmuls are launched as programmatic dependents: once the kernel before them
-signals, their CTAs take free SM slots and stream their first weights, and they read that
-kernel's output only after `griddepcontrol.wait`, which returns once its grid has finished
-and flushed. A Triton kernel that runs just before a matmul (RMSNorm, SiLU-mul, decode
-attention) therefore signals on entry, when its `PDL` constexpr is set. A kernel launched the
-usual way after it is unaffected.
+A kernel launched as a programmatic dependent may start as soon as every CTA of the kernel
+before it has signalled (`griddepcontrol.launch_dependents`), and `griddepcontrol.wait`
+returns once that kernel has finished and flushed its writes. The CUDA GPTQ matmuls stream
+their first weights (never written by anyone) before they wait. The Triton kernels of a layer
+(RMSNorm, RoPE, KV write, decode attention, SiLU-mul) set their `PDL` constexpr and are
+launched with `launch_pdl`: they signal and then wait on entry, before any load or store, so
+their launch latency hides behind the previous kernel's tail and nothing is read or written
+early. A kernel launched the usual way (PyTorch's) waits for the one before it as ever.
 """
 
 from __future__ import annotations
@@ -26,3 +28,8 @@ def early_launch(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     return _sm90_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """The Triton launch options of a kernel launched as a dependent (none otherwise)."""
+    return {"launch_pdl": True} if pdl else {}

@@ -20,9 +20,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from triton_kernels.pdl import early_launch
+from triton_kernels.pdl import early_launch, launch_options
 
 
 @triton.jit
@@ -42,10 +42,11 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr = False,  # let the next kernel launch early (triton_kernels/pdl.py)
+    PDL: tl.constexpr = False,  # launched as a dependent (triton_kernels/pdl.py)
 ):
     if PDL:
         gdc_launch_dependents()
+        gdc_wait()  # nothing is read or written before the previous kernel is done
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -85,10 +86,10 @@ def launch(
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return
-    has_residual = residual is not None
+    has_residual, pdl = residual is not None, early_launch(x.device)
     _rms_norm_kernel[(num_tokens,)](
         x, residual if has_residual else x, weight, out,
         residual_out if residual_out is not None else out,
         eps, x.stride(0), residual.stride(0) if residual is not None else 0,
-        PDL=early_launch(x.device), **_constants(hidden, has_residual),
+        PDL=pdl, **_constants(hidden, has_residual), **launch_options(pdl),
     )  # fmt: skip

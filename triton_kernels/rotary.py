@@ -19,6 +19,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from triton_kernels.pdl import early_launch, launch_options
 
 
 @triton.jit
@@ -50,7 +53,11 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     H_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a dependent (triton_kernels/pdl.py)
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # nothing is read or written before the previous kernel is done
     token = tl.program_id(0).to(tl.int64)
 
     # -- the token's angles: cos and sin rounded to q's dtype -------------------------------
@@ -89,7 +96,8 @@ def launch(
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
         return
+    pdl = early_launch(q.device)
     _rotary_kernel[(num_tokens,)](
         q, k, positions, inv_freq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        **_constants(num_heads, k.shape[1], head_dim),
+        PDL=pdl, **_constants(num_heads, k.shape[1], head_dim), **launch_options(pdl),
     )  # fmt: skip

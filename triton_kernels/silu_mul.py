@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from triton_kernels.pdl import early_launch
+from triton_kernels.pdl import early_launch, launch_options
 
 BLOCK = 1024  # columns per program
 
@@ -31,10 +31,11 @@ def _silu_mul_kernel(
     # constexprs
     INTER: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,  # let the next kernel launch early (triton_kernels/pdl.py)
+    PDL: tl.constexpr = False,  # launched as a dependent (triton_kernels/pdl.py)
 ):
     if PDL:
         gdc_launch_dependents()
+        gdc_wait()  # nothing is read or written before the previous kernel is done
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -56,4 +57,6 @@ def launch(
         return
     grid = (num_tokens, triton.cdiv(inter, BLOCK))
     pdl = early_launch(x.device)
-    _silu_mul_kernel[grid](x, out, x.stride(0), INTER=inter, BLOCK=BLOCK, PDL=pdl, num_warps=4)
+    _silu_mul_kernel[grid](
+        x, out, x.stride(0), INTER=inter, BLOCK=BLOCK, PDL=pdl, num_warps=4, **launch_options(pdl)
+    )
