@@ -64,11 +64,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, intermediate: int) -> None:
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module) -> None:
         super().__init__()
-        self.gate_up_proj = gate_up_proj  # [T, hidden] -> [T, 2 * intermediate]
+        self.gate_up_proj = gate_up_proj  # [T, hidden] -> [T, 2 * intermediate]: [gate | up]
         self.down_proj = down_proj  # [T, intermediate] -> [T, hidden]
-        self.intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -274,7 +273,7 @@ class _Builder:
             RMSNorm(
                 self.tensor(p + "post_attention_layernorm.weight", (c.hidden_size,)), c.rms_norm_eps
             ),
-            LlamaMLP(gate_up, down, c.intermediate_size),
+            LlamaMLP(gate_up, down),
         )
 
     def linear(
