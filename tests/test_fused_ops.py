@@ -111,6 +111,10 @@ def test_bad_inputs_name_the_mismatch(backend) -> None:
         fused.silu_mul(randn(3, 63, dtype=torch.float32))
     q, k = randn(3, 4, 16, dtype=torch.float32), randn(3, 2, 16, dtype=torch.float32)
     positions = torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="q and k must be"):
+        fused.rotary_embedding(positions, q[0], k, torch.ones(8, device=DEVICE))
+    with pytest.raises(ValueError, match="q and k must be"):
+        fused.rotary_embedding(positions, q, k[:, :, :8], torch.ones(8, device=DEVICE))
     with pytest.raises(ValueError, match="inv_freq"):
         fused.rotary_embedding(positions, q, k, torch.ones(16, device=DEVICE))
     with pytest.raises(ValueError, match="positions"):

@@ -112,8 +112,12 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q and k rotated
     """Rotary embedding (half-split layout). The kernel rotates q and k in place and returns
     them; the reference returns new tensors: use the returned ones."""
-    same_rows = k.dim() == 3 and (k.shape[0], k.shape[2]) == (q.shape[0], q.shape[2])
-    if q.dim() != 3 or not same_rows or q.shape[2] % 2:
+    if (
+        q.dim() != 3
+        or k.dim() != 3
+        or (k.shape[0], k.shape[2]) != (q.shape[0], q.shape[2])  # tokens and head_dim
+        or q.shape[2] % 2
+    ):
         raise ValueError(
             "q and k must be [num_tokens, heads, head_dim] with the same tokens and an even "
             f"head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}"
