@@ -157,3 +157,18 @@ def test_a_failed_capture_falls_back_to_eager(
     graphs = llm.engine.runner.graphs
     assert graphs is not None and not graphs.enabled and graphs.replays == 0
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_an_engine_on_the_second_gpu(tmp_path: Path) -> None:
+    """Triton launches on the current device: the engine makes it its own for every step."""
+    folder = make_tiny_llama(tmp_path / "m", **SHAPE)
+    prompts = ragged_prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for device in ("cuda:0", "cuda:1"):
+        llm = LLM(str(folder), device=device, dtype="float32", num_blocks=256)
+        runs[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.stats()["graph_steps"] > 0
+    assert torch.cuda.current_device() == 0
+    assert runs["cuda:1"] == runs["cuda:0"]

@@ -6,6 +6,7 @@ Owns the KV pool (one k/v tensor pair per layer, allocated once) and the copy-on
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -53,16 +54,18 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Forward every chunk; logits [num_sampling_chunks, vocab] fp32, in chunk order (a
         replayed step's logits are valid until the next step)."""
-        self._copy_blocks(out.blocks_to_copy)
-        if self.graphs is not None:
-            step = self._decode_step(out.chunks)
-            if step is not None:
-                logits = self.graphs.run(step, max(step.seq_lens))
-                if logits is not None:
-                    return logits
-        input_ids, positions, meta, last = self._prepare(out.chunks)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
-        return self.model.compute_logits(hidden[last])
+        # Triton launches on the current device, whatever the tensors': make it the model's
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            self._copy_blocks(out.blocks_to_copy)
+            if self.graphs is not None:
+                step = self._decode_step(out.chunks)
+                if step is not None:
+                    logits = self.graphs.run(step, max(step.seq_lens))
+                    if logits is not None:
+                        return logits
+            input_ids, positions, meta, last = self._prepare(out.chunks)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+            return self.model.compute_logits(hidden[last])
 
     def _decode_step(self, chunks: Sequence[ScheduledChunk]) -> DecodeStep | None:
         """The step as a `DecodeStep` when it is a plain decode step (one token per sequence,
