@@ -177,14 +177,14 @@ class DecodeGraphs:
     def _capture(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph | None:
         """Warm up once on a side stream, then capture; None (graphs off) if capture fails."""
         current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        side = torch.cuda.Stream(self.device)  # capture on the model's device, not torch's default
         side.wait_stream(current)
         with torch.cuda.stream(side):
             self._forward(*key)  # compiles and autotunes outside capture
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, stream=side):
                 self._forward(*key)
         except RuntimeError as e:
             self.enabled = False
