@@ -13,7 +13,7 @@ from pagedq.config import EngineConfig
 from pagedq.engine.llm_engine import Engine
 from pagedq.gptq.quantizer import QuantizeOptions, quantize_model
 from pagedq.outputs import RequestOutput
-from tests.test_engine_hf import assert_agrees
+from tests.test_engine_hf import assert_outputs_agree
 from tests.tiny_models import make_tiny_llama
 
 pytestmark = [
@@ -55,16 +55,7 @@ def assert_same_generations(
     steps for the exact longest context): fp16 hidden states then move log-probs by a few
     1e-3, fp32 ones by far less."""
     tol = 2e-3 if dtype == "float32" else 3e-2
-    for a, b in zip(got, expected, strict=True):
-        ref = []
-        for entry in b.outputs[0].logprobs or []:
-            dense = torch.full((VOCAB,), -1e9)
-            for tok, lp in entry.items():
-                dense[tok] = lp
-            ref.append(dense)
-        out = a.outputs[0]
-        assert out.logprobs is not None
-        assert_agrees(out.token_ids, out.logprobs, b.outputs[0].token_ids, ref, tol)
+    assert_outputs_agree(got, expected, VOCAB, tol)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedq import LLM, SamplingParams
-from tests.test_engine_hf import assert_agrees
+from tests.test_engine_hf import assert_outputs_agree
 from tests.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.gpu
@@ -47,16 +47,7 @@ def compare_devices(folder: str, vocab: int) -> None:
     gpu = LLM(folder, device="cuda", dtype="float32", num_blocks=256).generate(
         batch, params, use_tqdm=False
     )
-    for a, b in zip(gpu, cpu, strict=True):
-        ref_lp = []
-        for entry in b.outputs[0].logprobs or []:
-            dense = torch.full((vocab,), -1e9)
-            for tok, lp in entry.items():
-                dense[tok] = lp
-            ref_lp.append(dense)
-        got = a.outputs[0]
-        assert got.logprobs is not None
-        assert_agrees(got.token_ids, got.logprobs, b.outputs[0].token_ids, ref_lp)
+    assert_outputs_agree(gpu, cpu, vocab)
 
 
 def test_llama3_shaped_model_cuda_matches_cpu(tmp_path: Path) -> None:

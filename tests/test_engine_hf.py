@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedq import LLM, SamplingParams
+from pagedq.outputs import RequestOutput
 from tests.tiny_models import hf_greedy, hf_model, make_tiny_llama
 
 STEPS = 32
@@ -61,6 +62,23 @@ def assert_agrees(
         for tok, lp in zip(ref_top.indices.tolist(), ref_top.values.tolist(), strict=True):
             # the same dtype end to end: differences come from summation order only
             assert ours_lp[step][tok] == pytest.approx(lp, abs=tol), (step, tok)
+
+
+def assert_outputs_agree(
+    got: list[RequestOutput], expected: list[RequestOutput], vocab: int, tol: float = 2e-3
+) -> None:
+    """`assert_agrees` on the first completion of each request of two pagedq runs (both with
+    top-k logprobs); the expected side's entries become dense [vocab] rows."""
+    for a, b in zip(got, expected, strict=True):
+        ref = []
+        for entry in b.outputs[0].logprobs or []:
+            dense = torch.full((vocab,), -1e9)
+            for tok, lp in entry.items():
+                dense[tok] = lp
+            ref.append(dense)
+        out = a.outputs[0]
+        assert out.logprobs is not None
+        assert_agrees(out.token_ids, out.logprobs, b.outputs[0].token_ids, ref, tol)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
