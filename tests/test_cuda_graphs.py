@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from pagedq import LLM, SamplingParams
 from pagedq.config import EngineConfig
@@ -13,9 +15,9 @@ from pagedq.engine.cuda_graphs import (
     BATCH_BUCKETS,
     MIN_CONTEXT,
     DecodeStep,
+    StepInputs,
     batch_buckets,
     context_bucket,
-    padded_inputs,
     pick_bucket,
 )
 from pagedq.engine.llm_engine import Engine
@@ -57,11 +59,26 @@ def test_padding_rows_touch_no_kv_and_tables_fit_the_context_bucket() -> None:
         tables=[[2, 3, 5], [9, 10, 11, 12, 13, 14]],  # a static slot reserves its whole length
         sampling_rows=[0, 1],
     )
-    ids, positions, slots, seq_lens, tables = padded_inputs(step, bucket=4, width=4)
-    assert ids == [7, 8, 0, 0] and positions == [40, 3, 0, 0]
-    assert slots == [88, 147, -1, -1]  # write_kv skips negative slots
-    assert seq_lens == [41, 4, 0, 0]  # attention of an empty context is 0
-    assert tables == [[2, 3, 5, 0], [9, 10, 11, 12], [0] * 4, [0] * 4]
+    layout = StepInputs(rows=6, width=8)
+    host = np.full(layout.size, 99, dtype=np.int32)  # stale values from an earlier step
+    used = layout.fill(step, bucket=4, pages=4, host=host)
+    assert used == 4 * 6 + 4 * 8  # the vectors and the bucket's table rows: one copy
+    ids, positions, slots, seq_lens, tables = layout.views(host)
+    assert ids[:4].tolist() == [7, 8, 0, 0] and positions[:4].tolist() == [40, 3, 0, 0]
+    assert slots[:4].tolist() == [88, 147, -1, -1]  # write_kv skips negative slots
+    assert seq_lens[:4].tolist() == [41, 4, 0, 0]  # attention of an empty context is 0
+    assert tables[:4, :4].tolist() == [[2, 3, 5, 0], [9, 10, 11, 12], [0] * 4, [0] * 4]
+    flat = torch.arange(layout.size, dtype=torch.int32)  # the device buffer's views alike
+    assert layout.views(flat)[4][1, 0].item() == 4 * 6 + 8
+
+
+def test_padding_rows_and_columns_are_zeroed() -> None:
+    step = DecodeStep(tokens=[1], positions=[0], slots=[0], seq_lens=[1], tables=[[4]],
+                      sampling_rows=[0])  # fmt: skip
+    layout = StepInputs(rows=2, width=3)
+    host = np.zeros(layout.size, dtype=np.int32)
+    assert layout.fill(step, bucket=2, pages=3, host=host) == 8 + 2 * 3
+    assert layout.views(host)[4].tolist() == [[4, 0, 0], [0, 0, 0]]
 
 
 def test_enforce_eager_must_be_a_bool() -> None:

@@ -163,3 +163,20 @@ def test_an_engine_on_the_second_gpu(tmp_path: Path) -> None:
         assert llm.stats()["graph_steps"] > 0
     assert torch.cuda.current_device() == 0
     assert runs["cuda:1"] == runs["cuda:0"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_perplexity_on_the_second_gpu(tmp_path: Path) -> None:
+    """Direct model forwards (eval-ppl) launch their Triton kernels on the model's device."""
+    from pagedq.eval_ppl import perplexity
+
+    folder = make_tiny_llama(tmp_path / "m", **SHAPE)
+    rtn = QuantizeOptions(method="rtn")
+    quantized = quantize_model(folder, tmp_path / "q", rtn, progress=False)
+    text = " ".join(str(i) for i in range(300))
+    ppl = {
+        device: perplexity(quantized, text, device=device, dtype=torch.float16, max_tokens=256)
+        for device in ("cuda:0", "cuda:1")
+    }
+    assert torch.cuda.current_device() == 0
+    assert ppl["cuda:1"] == pytest.approx(ppl["cuda:0"], rel=1e-6)

@@ -15,9 +15,9 @@ captures the whole forward of a plain decode step, logits included, and replays 
 - **Padding rows** `n..bucket` get token 0 at position 0, slot -1 (`write_kv` skips it) and
   seq_len 0 (attention gives zeros): they never read or write the KV cache.
 - **Static buffers** are sized for the largest bucket and shared by every graph, as is the
-  graphs' memory pool (steps run one at a time). Inputs are copied into them from pinned
-  host memory; the logits come back in one [max_batch, vocab] fp32 buffer, so a step's
-  logits are valid until the next step.
+  graphs' memory pool (steps run one at a time). A step's inputs are written into a pinned
+  staging buffer and moved in one copy (`StepInputs`); the logits come back in one
+  [max_batch, vocab] fp32 buffer, so a step's logits are valid until the next step.
 - **Eager steps.** Prefill chunks, a cascade over a shared prefix (its length is frozen into
   the launch), batches larger than the largest bucket and CPU devices run eagerly. A capture
   that fails turns graphs off for the engine, with one warning, and the step runs eagerly.
@@ -25,10 +25,13 @@ captures the whole forward of a plain decode step, logits included, and replays 
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 from pagedq.models.llama import KVCache, LlamaForCausalLM
@@ -38,6 +41,7 @@ from pagedq.ops.attention import AttentionMetadata
 # above 8 sequences). Larger decode batches run eagerly: their launches cost less than the math.
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT = 256  # tokens: the smallest context bucket
+T = TypeVar("T", torch.Tensor, np.ndarray)
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -72,22 +76,48 @@ class DecodeStep:
     sampling_rows: list[int]  # rows whose logits are returned, ascending
 
 
-def padded_inputs(
-    step: DecodeStep, bucket: int, width: int
-) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
-    """The step's token ids, positions, slots and seq_lens padded to `bucket` rows, and its
-    block tables as `bucket` rows of `width` pages (see the module docstring for the padding).
-    A table longer than `width` (static slots reserve the whole max_model_len) is cut: no
-    context reaches past `width` pages."""
-    pad = bucket - len(step.tokens)
-    tables = [t[:width] + [0] * (width - len(t)) for t in step.tables] + [[0] * width] * pad
-    return (
-        step.tokens + [0] * pad,
-        step.positions + [0] * pad,
-        step.slots + [-1] * pad,
-        step.seq_lens + [0] * pad,
-        tables,
-    )
+class StepInputs:
+    """Where a step's inputs sit in one flat int32 buffer, so that one copy moves them all.
+
+    Four vectors of `rows` (token ids, positions, slots, seq_lens), then a [rows, width] page
+    table. `fill` writes a step padded to `bucket` rows (see the module docstring for the
+    padding), its tables cut to `pages` columns: a table longer than that (static slots
+    reserve the whole max_model_len) reaches no context past them.
+    """
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.rows = rows
+        self.width = width
+        self.size = rows * (4 + width)  # elements
+
+    def views(self, flat: T) -> tuple[T, T, T, T, T]:
+        """ids, positions, slots, seq_lens [rows] and tables [rows, width] of a flat buffer
+        (a tensor or a numpy array)."""
+        r = self.rows
+        vectors = [flat[i * r : (i + 1) * r] for i in range(4)]
+        tables = flat[4 * r : self.size].reshape(r, self.width)
+        return vectors[0], vectors[1], vectors[2], vectors[3], tables
+
+    def fill(self, step: DecodeStep, bucket: int, pages: int, host: np.ndarray) -> int:
+        """Write `step` into the flat int32 array `host`; returns how many leading elements
+        the step uses (the vectors and the first `bucket` table rows)."""
+        n = len(step.tokens)
+        ids, positions, slots, seq_lens, tables = self.views(host)
+        for vector, values, pad in (
+            (ids, step.tokens, 0),
+            (positions, step.positions, 0),
+            (slots, step.slots, -1),  # write_kv skips negative slots
+            (seq_lens, step.seq_lens, 0),  # attention of an empty context is 0
+        ):
+            vector[:n] = values
+            vector[n:bucket] = pad
+        lengths = np.fromiter((min(len(t), pages) for t in step.tables), np.int64, count=n)
+        used = np.arange(pages) < lengths[:, None]  # [n, pages] row-major, as the flat pages
+        flat = itertools.chain.from_iterable(t[:pages] for t in step.tables)
+        view = tables[:bucket, :pages]
+        view.fill(0)
+        view[:n][used] = np.fromiter(flat, np.int32, count=int(lengths.sum()))
+        return 4 * self.rows + bucket * self.width
 
 
 class DecodeGraphs:
@@ -109,12 +139,15 @@ class DecodeGraphs:
         self.device = model.embed_tokens.weight.device
         rows, width = self.buckets[-1], self.capacity // block_size
         dev, i32 = self.device, torch.int32
-        self._ids = torch.zeros(rows, dtype=i32, device=dev)  # [rows] token ids
-        self._positions = torch.zeros(rows, dtype=i32, device=dev)  # [rows]
-        self._slots = torch.full((rows,), -1, dtype=i32, device=dev)  # [rows]
-        self._seq_lens = torch.zeros(rows, dtype=i32, device=dev)  # [rows]
+        # inputs: staged in pinned memory, moved in one copy into the buffer the graphs read
+        self._layout = StepInputs(rows, width)
+        self._staging = torch.zeros(self._layout.size, dtype=i32).pin_memory()
+        self._inputs = torch.zeros(self._layout.size, dtype=i32, device=dev)
+        self._copied = torch.cuda.Event()  # the last copy out of the staging buffer is done
+        self._ids, self._positions, self._slots, self._seq_lens, self._tables = self._layout.views(
+            self._inputs
+        )  # [rows] x 4, [rows, width]
         self._starts = torch.arange(rows + 1, dtype=i32, device=dev)  # [rows + 1] one query each
-        self._tables = torch.zeros(rows, width, dtype=i32, device=dev)  # [rows, width]
         vocab = model.config.vocab_size
         self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -149,16 +182,12 @@ class DecodeGraphs:
         rows = torch.tensor(step.sampling_rows, dtype=torch.int64).to(self.device)
         return logits.index_select(0, rows)
 
-    def _load(self, step: DecodeStep, bucket: int, width: int) -> None:
+    def _load(self, step: DecodeStep, bucket: int, pages: int) -> None:
         """Copy the step into rows 0..bucket of the static buffers (padding rows after it)."""
-        ids, positions, slots, seq_lens, tables = padded_inputs(step, bucket, width)
-        for buffer, values in zip(
-            (self._ids, self._positions, self._slots, self._seq_lens),
-            (ids, positions, slots, seq_lens),
-            strict=True,
-        ):
-            buffer[:bucket].copy_(_pinned(values), non_blocking=True)
-        self._tables[:bucket, :width].copy_(_pinned(tables), non_blocking=True)
+        self._copied.synchronize()  # the previous step's copy has left the staging buffer
+        used = self._layout.fill(step, bucket, pages, self._staging.numpy())
+        self._inputs[:used].copy_(self._staging[:used], non_blocking=True)
+        self._copied.record()
 
     def _forward(self, bucket: int, context: int) -> None:
         """The step over the static buffers' first `bucket` rows, logits into `_logits`."""
@@ -196,7 +225,3 @@ class DecodeGraphs:
             )
             return None
         return graph
-
-
-def _pinned(values: list[int] | list[list[int]]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32).pin_memory()

@@ -235,13 +235,11 @@ class Engine:
             if req.params.n > 1 and len(req.seqs) == 1 and seq.num_output_tokens == 0:
                 group += self._fork(req, seq)
             rows_of_seq.append(group)
-        index = torch.tensor(
-            [i for i, g in enumerate(rows_of_seq) for _ in g],
-            dtype=torch.long,
-            device=logits.device,
-        )
         rows = [s for g in rows_of_seq for s in g]
-        result = self.sampler(logits.index_select(0, index), [self._row(s) for s in rows])
+        if len(rows) > len(seqs):  # forked rows sample from their parent's logits
+            index = [i for i, g in enumerate(rows_of_seq) for _ in g]
+            logits = logits.index_select(0, torch.tensor(index).to(logits.device))
+        result = self.sampler(logits, [self._row(s) for s in rows])
         touched: dict[str, _Request] = {}
         for i, seq in enumerate(rows):
             self._append(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])

@@ -6,7 +6,6 @@ Owns the KV pool (one k/v tensor pair per layer, allocated once) and the copy-on
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import torch
 
@@ -14,6 +13,7 @@ from pagedq.engine.cuda_graphs import DecodeGraphs, DecodeStep
 from pagedq.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedq.models.llama import LlamaForCausalLM, allocate_kv_caches
 from pagedq.ops.attention import AttentionMetadata
+from pagedq.ops.triton_loader import launch_device
 
 # a decode batch's shared leading pages go through the cascade path from this many on:
 # below it, the extra prefix launch and partials cost more than re-reading a few pages
@@ -54,8 +54,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Forward every chunk; logits [num_sampling_chunks, vocab] fp32, in chunk order (a
         replayed step's logits are valid until the next step)."""
-        # Triton launches on the current device, whatever the tensors': make it the model's
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+        # Triton launches on the current device: the model's, for the copies and graphs too
+        with launch_device(self.device):
             self._copy_blocks(out.blocks_to_copy)
             if self.graphs is not None:
                 step = self._decode_step(out.chunks)

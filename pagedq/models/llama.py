@@ -27,6 +27,7 @@ from pagedq.layers.norm import RMSNorm
 from pagedq.layers.rotary import RotaryEmbedding
 from pagedq.ops.attention import AttentionMetadata, paged_attention, write_kv
 from pagedq.ops.fused import silu_mul
+from pagedq.ops.triton_loader import launch_device
 
 if TYPE_CHECKING:
     from pagedq.loader.weights import Checkpoint
@@ -131,19 +132,21 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: Sequence[KVCache],  # one per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        if residual is None:
-            return self.norm(hidden)
-        return self.norm.add_forward(hidden, residual)[0]
+        with launch_device(input_ids.device):  # a model on cuda:N launches its kernels there
+            hidden = self.embed_tokens(input_ids)  # [T, hidden]
+            residual: torch.Tensor | None = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            if residual is None:
+                return self.norm(hidden)
+            return self.norm.add_forward(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab] fp32."""
         if self.lm_head is None:
             return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        with launch_device(hidden.device):  # a quantized lm_head may launch Triton
+            return self.lm_head(hidden).float()
 
 
 def allocate_kv_caches(

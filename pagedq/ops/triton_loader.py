@@ -8,6 +8,7 @@ modules are imported on first use, in the interpreter when the tensors are on th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -30,6 +31,17 @@ def env_backend(env: str, device: torch.device) -> Literal["triton", "torch"]:
     if value == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return "triton" if value == "triton" else "torch"
+
+
+def launch_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """A context that makes `device` the current CUDA device (nothing for CPU devices).
+
+    Triton launches on the current device, whatever the tensors' device, so every forward over
+    a model on `cuda:N` runs inside this (the CUDA extension sets its own guard).
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def load_kernels(
