@@ -82,6 +82,54 @@ def test_rotary_rotates_strided_views_in_place(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 64), (9, 3, 80), (4, 4, 128)])
+def test_rotary_with_the_kv_write_matches_the_two_ops(
+    backend, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, heads: int, kv_heads: int,
+    head_dim: int,
+) -> None:  # fmt: skip
+    tokens, block_size, num_blocks = 6, 4, 5
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    positions = torch.tensor([0, 1, 17, 255, 4095, 70000], device=DEVICE)
+    slots = torch.tensor([3, 4, -1, 19, 8, 0], device=DEVICE)  # -1: a padding row, not written
+    inv_freq = inverse_frequencies(head_dim, 10000.0, None).to(DEVICE)
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    stale = randn(2, *cache_shape, dtype=dtype, seed=3)
+
+    def run(fused_backend: str) -> tuple[torch.Tensor, ...]:
+        backend(fused_backend)
+        monkeypatch.setenv("PAGEDQ_ATTENTION_BACKEND", fused_backend)
+        q, k, v = qkv.clone().split(
+            [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
+        )
+        q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+        kv_cache = (stale[0].clone(), stale[1].clone())
+        q = fused.rotary_write_kv(
+            positions, q, k, v.view(tokens, kv_heads, head_dim), inv_freq, kv_cache, slots
+        )
+        return q, *kv_cache
+
+    ref_q, ref_k_cache, ref_v_cache = run("torch")
+    q, k_cache, v_cache = run("triton")
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(k_cache, ref_k_cache, **TOL[dtype])
+    assert torch.equal(v_cache, ref_v_cache)  # v is copied as it is
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[[3, 4, 19, 8, 0]] = False
+    flat = k_cache.view(-1, kv_heads, head_dim)
+    assert torch.equal(flat[untouched], stale[0].view(-1, kv_heads, head_dim)[untouched])
+
+
+def test_rotary_with_the_kv_write_checks_the_cache(backend) -> None:
+    backend("triton")
+    q, k = randn(2, 4, 64, dtype=torch.float32), randn(2, 2, 64, dtype=torch.float32)
+    inv_freq = inverse_frequencies(64, 10000.0, None).to(DEVICE)
+    cache = randn(3, 4, 2, 32, dtype=torch.float32)  # head_dim 32, not 64
+    positions = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="to match the cache"):
+        fused.rotary_write_kv(positions, q, k, k.clone(), inv_freq, (cache, cache), positions)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [96, 704, 2048])
 def test_silu_mul(backend, dtype: torch.dtype, inter: int) -> None:
     x = randn(5, 2 * inter, dtype=dtype) * 3

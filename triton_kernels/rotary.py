@@ -1,15 +1,21 @@
-"""Rotary position embedding of q and k, in place (half-split layout, as HF Llama).
+"""Rotary position embedding of q and k, in place (half-split layout, as HF Llama), and
+optionally the KV write of the same tokens.
 
 Algorithm: one program per token computes the angles position * inv_freq in fp32, their cos
 and sin rounded to the tensors' dtype (as the reference and transformers round them), and
 rotates every head of its q and k row: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for the
-two halves x1, x2 of a head, in fp32 with one rounding.
+two halves x1, x2 of a head, in fp32 with one rounding. With CACHE, the program then stores
+the rotated k row and the v row into their cache page at the token's slot (block_id *
+block_size + offset; a negative slot writes nothing), as triton_kernels/kv_write.py does: one
+launch instead of two per layer.
 
 Tensor layouts:
-  q          [num_tokens, num_heads, head_dim], last dim contiguous (a view of the qkv output)
-  k          [num_tokens, num_kv_heads, head_dim], last dim contiguous
-  positions  [num_tokens] int
-  inv_freq   [head_dim / 2] fp32
+  q             [num_tokens, num_heads, head_dim], last dim contiguous (a view of the qkv output)
+  k, v          [num_tokens, num_kv_heads, head_dim], last dim contiguous
+  positions     [num_tokens] int
+  inv_freq      [head_dim / 2] fp32
+  k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim], same strides (CACHE only)
+  slot_mapping  [num_tokens] int (CACHE only)
 """
 
 from __future__ import annotations
@@ -26,13 +32,15 @@ from triton_kernels.pdl import early_launch, launch_options
 
 @triton.jit
 def _rotate_heads(x_ptr, row, stride_h, cos, sin, offs_h, offs_d, mask, HALF: tl.constexpr):
-    """Rotate the [heads, head_dim] row at x_ptr + row in place."""
+    """Rotate the [heads, head_dim] row at x_ptr + row in place; returns the two halves."""
     at = x_ptr + row + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(at, mask=mask, other=0.0)
     x2 = tl.load(at + HALF, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(at, (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(at + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+    r1, r2 = (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
+    tl.store(at, r1, mask=mask)
+    tl.store(at + HALF, r2, mask=mask)
+    return r1, r2
 
 
 @triton.jit
@@ -42,17 +50,28 @@ def _rotary_kernel(
     k_ptr,
     positions_ptr,
     inv_freq_ptr,
+    v_ptr,  # CACHE only (the rest: unused placeholders otherwise)
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
     # strides
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,  # cache strides (k_cache and v_cache share them)
+    stride_ct,
+    stride_ch,
     # constexprs
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     H_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    CACHE: tl.constexpr = False,  # also write k and v into the caches
+    BLOCK_SIZE: tl.constexpr = 1,  # cache page size (CACHE only)
     PDL: tl.constexpr = False,  # launched as a dependent (triton_kernels/pdl.py)
 ):
     if PDL:
@@ -74,7 +93,21 @@ def _rotary_kernel(
     q_mask = (offs_h[:, None] < NUM_HEADS) & d_ok
     _rotate_heads(q_ptr, token * stride_qt, stride_qh, cos, sin, offs_h, offs_d, q_mask, HALF)
     k_mask = (offs_h[:, None] < NUM_KV_HEADS) & d_ok
-    _rotate_heads(k_ptr, token * stride_kt, stride_kh, cos, sin, offs_h, offs_d, k_mask, HALF)
+    k1, k2 = _rotate_heads(
+        k_ptr, token * stride_kt, stride_kh, cos, sin, offs_h, offs_d, k_mask, HALF
+    )
+
+    # -- the rotated k row and the v row into page block_id, row offset ---------------------
+    if CACHE:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+            dst = at + offs_h[:, None] * stride_ch + offs_d[None, :]
+            tl.store(k_cache_ptr + dst, k1, mask=k_mask)
+            tl.store(k_cache_ptr + dst + HALF, k2, mask=k_mask)
+            src = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+            tl.store(v_cache_ptr + dst, tl.load(src, mask=k_mask), mask=k_mask)
+            tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=k_mask), mask=k_mask)
 
 
 @functools.lru_cache(maxsize=64)
@@ -91,13 +124,24 @@ def launch(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], last dim contiguous, rotated in place
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous, in place
     inv_freq: torch.Tensor,  # [head_dim / 2] fp32, contiguous
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Rotate q and k in place by their tokens' positions."""
+    """Rotate q and k in place by their tokens' positions; with `cache` = (v, k_cache,
+    v_cache, slot_mapping), also write the rotated k and v into the caches (in place)."""
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
         return
     pdl = early_launch(q.device)
+    if cache is None:
+        v, k_cache, v_cache, slots = k, k, k, positions  # placeholders, never read
+        cache_strides: tuple[int, ...] = (0,) * 5
+        extra = {}
+    else:
+        v, k_cache, v_cache, slots = cache
+        cache_strides = (v.stride(0), v.stride(1), *k_cache.stride()[:3])
+        extra = {"CACHE": True, "BLOCK_SIZE": k_cache.shape[1]}
     _rotary_kernel[(num_tokens,)](
-        q, k, positions, inv_freq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        PDL=pdl, **_constants(num_heads, k.shape[1], head_dim), **launch_options(pdl),
+        q, k, positions, inv_freq, v, k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), *cache_strides,
+        PDL=pdl, **_constants(num_heads, k.shape[1], head_dim), **extra, **launch_options(pdl),
     )  # fmt: skip

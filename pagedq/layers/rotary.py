@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pagedq.config import ModelConfig, RopeScaling
-from pagedq.ops.fused import rotary_embedding
+from pagedq.ops.fused import rotary_embedding, rotary_write_kv
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -60,3 +60,16 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated (possibly in place: use the returned tensors)."""
         return rotary_embedding(positions, q, k, self.inv_freq)
+
+    def rotate_and_cache(
+        self,
+        positions: torch.Tensor,  # [T] int
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,  # [T] int, negative: not written
+    ) -> torch.Tensor:
+        """q rotated; k rotated and written with v into `kv_cache` at `slot_mapping` (one
+        kernel on the GPU). Use the returned q."""
+        return rotary_write_kv(positions, q, k, v, self.inv_freq, kv_cache, slot_mapping)

@@ -25,7 +25,7 @@ from pagedq.gptq.config import GPTQConfig
 from pagedq.layers.linear import ConcatLinear, DenseLinear
 from pagedq.layers.norm import RMSNorm
 from pagedq.layers.rotary import RotaryEmbedding
-from pagedq.ops.attention import AttentionMetadata, paged_attention, write_kv
+from pagedq.ops.attention import AttentionMetadata, paged_attention
 from pagedq.ops.fused import silu_mul
 from pagedq.ops.triton_loader import launch_device
 
@@ -57,10 +57,8 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, head_dim]
+        q = self.rotary.rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping)
+        out = paged_attention(q, *kv_cache, meta, self.scale)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(t, q_size))
 
 

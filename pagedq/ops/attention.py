@@ -112,6 +112,26 @@ def write_kv(
     A negative slot skips its token (padding rows of a captured batch).
     """
     triton = attention_backend(k.device) == "triton"
+    check_write_kv(k, v, k_cache, v_cache, slot_mapping, triton)
+    if not triton:
+        reference_write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
+    kernels = _triton_kernels("kv_write", k.device)
+    kernels.launch(
+        _last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache,
+        _last_dim_contiguous(slot_mapping),
+    )  # fmt: skip
+
+
+def check_write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    triton: bool,
+) -> None:
+    """`write_kv`'s argument checks (also those of the fused RoPE + KV write)."""
     check_kv(spec(k), spec(v), spec(k_cache), spec(v_cache), triton)
     if (
         slot_mapping.dtype not in (torch.int64, torch.int32)
@@ -122,14 +142,6 @@ def write_kv(
             f"slot_mapping must be int64 [{k.shape[0]}] on {k.device}, "
             f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)} on {slot_mapping.device}"
         )
-    if not triton:
-        reference_write_kv(k, v, k_cache, v_cache, slot_mapping)
-        return
-    kernels = _triton_kernels("kv_write", k.device)
-    kernels.launch(
-        _last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache,
-        _last_dim_contiguous(slot_mapping),
-    )  # fmt: skip
 
 
 def paged_decode_attention(

@@ -1,5 +1,6 @@
 """The small per-token ops of a decoder layer, one kernel each: RMSNorm (with the residual add
-before it), rotary embedding of q and k, and the SiLU-gated product of gate/up.
+before it), rotary embedding of q and k (optionally with the KV write of the same tokens:
+`rotary_write_kv`), and the SiLU-gated product of gate/up.
 
 Unfused, these are about thirty PyTorch kernels per layer, more launches than the layer's
 matmuls and attention together. Each op checks its inputs (ValueError naming the mismatch),
@@ -22,6 +23,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from pagedq.ops import attention
 from pagedq.ops.triton_loader import env_backend, load_kernels
 
 BACKEND_ENV = "PAGEDQ_FUSED_BACKEND"
@@ -112,6 +114,46 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q and k rotated
     """Rotary embedding (half-split layout). The kernel rotates q and k in place and returns
     them; the reference returns new tensors: use the returned ones."""
+    _check_rotary(positions, q, k, inv_freq)
+    if env_backend(BACKEND_ENV, q.device) == "torch":
+        return reference_rotary(positions, q, k, inv_freq)
+    q, k = _last_dim(q), _last_dim(k)
+    _kernels("rotary", q.device).launch(positions.contiguous(), q, k, inv_freq.contiguous())
+    return q, k
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,  # [num_tokens] int
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    inv_freq: torch.Tensor,  # [head_dim / 2] fp32
+    kv_cache: tuple[torch.Tensor, torch.Tensor],  # [num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int
+) -> torch.Tensor:  # q rotated
+    """`rotary_embedding` of q and k, then `write_kv` of the rotated k and v (a negative slot
+    skips its token): one kernel when both ops run Triton, else the two ops. Returns q rotated
+    (in place on the kernel path: use the returned tensor); k is rotated in place too there."""
+    k_cache, v_cache = kv_cache
+    fused = (
+        env_backend(BACKEND_ENV, q.device) == "triton"
+        and attention.attention_backend(q.device) == "triton"
+    )
+    if not fused:
+        q, k = rotary_embedding(positions, q, k, inv_freq)
+        attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+    _check_rotary(positions, q, k, inv_freq)
+    attention.check_write_kv(k, v, k_cache, v_cache, slot_mapping, triton=True)
+    q, k, v = _last_dim(q), _last_dim(k), _last_dim(v)
+    cache = (v, k_cache, v_cache, slot_mapping.contiguous())
+    _kernels("rotary", q.device).launch(positions.contiguous(), q, k, inv_freq.contiguous(), cache)
+    return q
+
+
+def _check_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor
+) -> None:
     if (
         q.dim() != 3
         or k.dim() != 3
@@ -134,11 +176,6 @@ def rotary_embedding(
             f"inv_freq must be fp32 [{q.shape[2] // 2}], got {inv_freq.dtype} "
             f"{tuple(inv_freq.shape)}"
         )
-    if env_backend(BACKEND_ENV, q.device) == "torch":
-        return reference_rotary(positions, q, k, inv_freq)
-    q, k = _last_dim(q), _last_dim(k)
-    _kernels("rotary", q.device).launch(positions.contiguous(), q, k, inv_freq.contiguous())
-    return q, k
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [num_tokens, inter]
