@@ -27,7 +27,7 @@ SHAPE = {"vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 704, "num
 
 
 def ragged_prompts(count: int) -> list[list[int]]:
-    """Lengths 1..~600, so steps fall in the 128, 256, 512 and 1024 context buckets."""
+    """Lengths 1..~600, so steps fall in the 256, 512 and 1024 context buckets."""
     g = torch.Generator().manual_seed(11)
     lengths = [1, 17, 300, 77, 600, 5, 250, 33, 129, 9, 400, 64, 2][:count]
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
@@ -73,7 +73,7 @@ def test_graph_decode_matches_eager_dense(tmp_path: Path, dtype: str) -> None:
 def test_static_slots_longer_than_the_context_bucket(tmp_path: Path) -> None:
     """Static slots reserve max_model_len tokens of pages; graphs read only a bucket's worth."""
     folder = make_tiny_llama(tmp_path / "m", **SHAPE)
-    prompts = ragged_prompts(6)  # contexts up to ~650: buckets 128 to 512 of 1024, and 1024
+    prompts = ragged_prompts(6)  # contexts up to ~650: buckets 256 and 512 of 1024, and 1024
     static = {"cache": "static", "max_model_len": 1024, "max_num_seqs": 4}
     graphed, got = run(folder, prompts, "float32", eager=False, **static)
     _, expected = run(folder, prompts, "float32", eager=True, **static)

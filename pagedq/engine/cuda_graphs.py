@@ -40,9 +40,7 @@ from pagedq.ops.attention import AttentionMetadata
 # Padded batch sizes; each step pads to the next one (at most a third of a step is padding
 # above 8 sequences). Larger decode batches run eagerly: their launches cost less than the math.
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-# tokens: the smallest context bucket. Short bounds need no split-K decode for one sequence
-# (MHA, 32 KV heads: one split up to 128 tokens, two at 256), so a layer saves the reduce launch
-MIN_CONTEXT = 128
+MIN_CONTEXT = 256  # tokens: the smallest context bucket
 T = TypeVar("T", torch.Tensor, np.ndarray)
 
 
