@@ -136,15 +136,20 @@ def main() -> None:
     write(rows, llm, args.out)
 
 
-def write(rows: list[dict[str, Any]], llm: LLM, out: Path) -> None:
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-    env = {
-        "date_utc": stamp,
+def environment(llm: LLM) -> dict[str, Any]:
+    """Date stamp, GPU, versions and the engine's counters, for a result file."""
+    return {
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "stats": llm.stats(),
     }
+
+
+def write(rows: list[dict[str, Any]], llm: LLM, out: Path) -> None:
+    env = environment(llm)
+    stamp = env["date_utc"]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"engine_decode_{stamp}.json").write_text(json.dumps({"env": env, "rows": rows}))
     by = {(r["mode"], r["batch"]): r for r in rows}

@@ -19,6 +19,7 @@ from pagedq.engine.cuda_graphs import (
     batch_buckets,
     context_bucket,
     pick_bucket,
+    prefix_bucket,
 )
 from pagedq.engine.llm_engine import Engine
 from pagedq.errors import ConfigError
@@ -110,18 +111,34 @@ def test_decode_steps_are_recognised_and_cpu_never_captures(tmp_path: Path) -> N
     engine.scheduler.rollback(decode)
 
 
-def test_steps_over_a_long_shared_prefix_stay_eager(tmp_path: Path) -> None:
-    """Four or more shared leading pages take the cascade path, which a graph cannot hold."""
+def test_prefix_buckets_round_down_by_at_most_a_third() -> None:
+    got = {p: prefix_bucket(p, 4) for p in (0, 3, 4, 5, 6, 7, 8, 11, 12, 13, 23, 24, 64, 93, 127)}
+    assert got == {0: 0, 3: 0, 4: 4, 5: 4, 6: 6, 7: 6, 8: 8, 11: 8, 12: 12, 13: 12, 23: 16,
+                   24: 24, 64: 64, 93: 64, 127: 96}  # fmt: skip
+    assert all(3 * b >= 2 * p for p, b in got.items() if b)
+    assert prefix_bucket(1, 1) == 1 and prefix_bucket(5, 6) == 0
+
+
+def test_steps_over_a_long_shared_prefix_carry_its_bucket(tmp_path: Path) -> None:
+    """Four or more shared leading pages take the cascade path; the graph key holds the
+    shared pages rounded down to a prefix bucket."""
     folder = make_tiny_llama(tmp_path / "m", hidden_size=64, num_heads=4, num_kv_heads=2)
     engine = Engine(EngineConfig(model=str(folder), device="cpu", num_blocks=64, block_size=8))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    shared = list(range(3, 3 + 40))  # five pages
+    shared = list(range(3, 3 + 56))  # seven pages
     engine.add_request([*shared, 50], params)
     engine.add_request([*shared, 60], params)
+    third = engine.add_request([*shared[:24], 70], params)  # three pages shared with the others
     engine.step()
     decode = engine.scheduler.schedule()
     assert all(c.num_tokens == 1 for c in decode.chunks)
-    assert engine.runner._decode_step(decode.chunks) is None
+    step = engine.runner._decode_step(decode.chunks)
+    assert step is not None and step.shared_prefix_len == 0  # three pages: plain decode
+    engine.scheduler.rollback(decode)
+    engine.abort(third)
+    decode = engine.scheduler.schedule()
+    step = engine.runner._decode_step(decode.chunks)
+    assert step is not None and step.shared_prefix_len == 6 * 8  # seven pages -> bucket six
     engine.scheduler.rollback(decode)
 
 

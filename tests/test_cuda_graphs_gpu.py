@@ -70,6 +70,22 @@ def test_graph_decode_matches_eager_dense(tmp_path: Path, dtype: str) -> None:
     assert_same_generations(got, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_graph_decode_over_a_shared_prefix_matches_eager(tmp_path: Path, dtype: str) -> None:
+    """A system prompt shared by every sequence: graphs replay the cascade decode, with the
+    shared pages rounded down to a prefix bucket (12.5 pages -> 12); eager steps take all."""
+    folder = make_tiny_llama(tmp_path / "m", **SHAPE)
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(3, VOCAB, (200,), generator=g).tolist()
+    prompts = [system + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 41, 7)]
+    graphed, got = run(folder, prompts, dtype, eager=False)
+    _, expected = run(folder, prompts, dtype, eager=True)
+    graphs = graphed.engine.runner.graphs
+    assert graphs is not None and graphs.replays > 0
+    assert {key[2] for key in graphs._graphs} == {0, 12 * 16}  # one sequence left: plain
+    assert_same_generations(got, expected, dtype)
+
+
 def test_static_slots_longer_than_the_context_bucket(tmp_path: Path) -> None:
     """Static slots reserve max_model_len tokens of pages; graphs read only a bucket's worth."""
     folder = make_tiny_llama(tmp_path / "m", **SHAPE)

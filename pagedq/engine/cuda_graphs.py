@@ -5,7 +5,8 @@ batches launching them from Python takes longer than running them (H200, the 224
 linears of a Llama-2-7B step at one token: 2.7 ms eager, 1.13 ms replayed). `DecodeGraphs`
 captures the whole forward of a plain decode step, logits included, and replays it.
 
-- **Keys.** A graph is captured per (batch bucket, context bucket), on first use: the step
+- **Keys.** A graph is captured per (batch bucket, context bucket, prefix bucket), on first
+  use: the step
   runs once eagerly on the static buffers (kernels compile, the CUDA extension builds,
   autotuners measure, all outside capture), is captured, then replayed. Batch buckets are
   BATCH_BUCKETS up to the first one that holds `max_num_seqs`; a step of n sequences pads
@@ -18,9 +19,13 @@ captures the whole forward of a plain decode step, logits included, and replays 
   graphs' memory pool (steps run one at a time). A step's inputs are written into a pinned
   staging buffer and moved in one copy (`StepInputs`); the logits come back in one
   [max_batch, vocab] fp32 buffer, so a step's logits are valid until the next step.
-- **Eager steps.** Prefill chunks, a cascade over a shared prefix (its length is frozen into
-  the launch), batches larger than the largest bucket and CPU devices run eagerly. A capture
-  that fails turns graphs off for the engine, with one warning, and the step runs eagerly.
+- **Shared prefixes.** A step whose sequences share leading pages (a system prompt) runs the
+  cascade decode, whose prefix length is frozen into the launch: it is the third part of the
+  key, rounded down to a prefix bucket (`prefix_bucket`: 4, 6, 8, 12, 16, 24, ... pages), so a
+  batch job needs one or two more graphs, and pages past the bucket are read per sequence.
+- **Eager steps.** Prefill chunks, batches larger than the largest bucket and CPU devices run
+  eagerly. A capture that fails turns graphs off for the engine, with one warning, and the
+  step runs eagerly.
 """
 
 from __future__ import annotations
@@ -56,6 +61,16 @@ def pick_bucket(n: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+def prefix_bucket(pages: int, smallest: int) -> int:
+    """`pages` rounded down to 2^k or 3 * 2^(k-1) pages (at most a third is lost), 0 below
+    `smallest` pages."""
+    if pages < smallest:
+        return 0
+    power = 1 << (pages.bit_length() - 1)
+    half = power // 2
+    return max(power + half if pages >= power + half else power, smallest)
+
+
 def context_bucket(max_seq_len: int, capacity: int) -> int:
     """The smallest power of two >= max_seq_len and >= MIN_CONTEXT, capped at `capacity`."""
     bound = MIN_CONTEXT
@@ -74,6 +89,7 @@ class DecodeStep:
     seq_lens: list[int]  # [n] context length including the new token
     tables: list[list[int]]  # [n][*] block tables, ragged
     sampling_rows: list[int]  # rows whose logits are returned, ascending
+    shared_prefix_len: int = 0  # tokens of leading pages every table shares (cascade), bucketed
 
 
 class StepInputs:
@@ -150,7 +166,7 @@ class DecodeGraphs:
         self._starts = torch.arange(rows + 1, dtype=i32, device=dev)  # [rows + 1] one query each
         vocab = model.config.vocab_size
         self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self.enabled = True
         self.replays = 0  # steps served by a graph (captures included)
@@ -166,8 +182,9 @@ class DecodeGraphs:
         bucket = pick_bucket(n, self.buckets)
         if not self.enabled or bucket is None or max_seq_len > self.capacity:
             return None
-        key = (bucket, context_bucket(max_seq_len, self.capacity))
-        self._load(step, bucket, key[1] // self.block_size)
+        context = context_bucket(max_seq_len, self.capacity)
+        key = (bucket, context, step.shared_prefix_len)
+        self._load(step, bucket, context // self.block_size)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(key)
@@ -189,7 +206,7 @@ class DecodeGraphs:
         self._inputs[:used].copy_(self._staging[:used], non_blocking=True)
         self._copied.record()
 
-    def _forward(self, bucket: int, context: int) -> None:
+    def _forward(self, bucket: int, context: int, shared: int) -> None:
         """The step over the static buffers' first `bucket` rows, logits into `_logits`."""
         meta = AttentionMetadata(
             slot_mapping=self._slots[:bucket],
@@ -198,12 +215,13 @@ class DecodeGraphs:
             query_start_loc=self._starts[: bucket + 1],
             max_query_len=1,
             max_seq_len=context,
+            shared_prefix_len=shared,
         )
         ids, positions = self._ids[:bucket], self._positions[:bucket]
         hidden = self.model(ids, positions, self.kv_caches, meta)  # [bucket, hidden]
         self._logits[:bucket].copy_(self.model.compute_logits(hidden))
 
-    def _capture(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph | None:
+    def _capture(self, key: tuple[int, int, int]) -> torch.cuda.CUDAGraph | None:
         """Warm up once on a side stream, then capture; None (graphs off) if capture fails."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)  # capture on the model's device, not torch's default

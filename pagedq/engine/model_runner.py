@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedq.engine.cuda_graphs import DecodeGraphs, DecodeStep
+from pagedq.engine.cuda_graphs import DecodeGraphs, DecodeStep, prefix_bucket
 from pagedq.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedq.models.llama import LlamaForCausalLM, allocate_kv_caches
 from pagedq.ops.attention import AttentionMetadata
@@ -68,15 +68,14 @@ class ModelRunner:
             return self.model.compute_logits(hidden[last])
 
     def _decode_step(self, chunks: Sequence[ScheduledChunk]) -> DecodeStep | None:
-        """The step as a `DecodeStep` when it is a plain decode step (one token per sequence,
-        no shared leading pages for the cascade path), else None."""
+        """The step as a `DecodeStep` when it is a decode step (one token per sequence), with
+        its shared leading pages rounded down to a prefix bucket; else None."""
         if any(c.num_tokens != 1 for c in chunks):
             return None
         bs = self.block_size
         tables = [c.seq.block_table for c in chunks]
         seq_lens = [c.start + 1 for c in chunks]
-        if shared_prefix_len(tables, seq_lens, bs):
-            return None
+        shared = shared_prefix_len(tables, seq_lens, bs) // bs
         return DecodeStep(
             tokens=[c.seq.token_ids[c.start] for c in chunks],
             positions=[c.start for c in chunks],
@@ -84,6 +83,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             tables=tables,
             sampling_rows=[i for i, c in enumerate(chunks) if c.samples],
+            shared_prefix_len=prefix_bucket(shared, CASCADE_MIN_BLOCKS) * bs,
         )
 
     def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
