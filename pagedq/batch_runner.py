@@ -144,7 +144,8 @@ class Runner:
         self.in_flight[request_id] = row
 
     def _step(self) -> None:
-        outputs: list[RequestOutput] = self.engine.step()
+        # until the first tokens arrive (the shared prefix is cached), every output counts
+        outputs: list[RequestOutput] = self.engine.step(finished_only=self._warm)
         running = len(self.engine.scheduler.running)
         self.stats.peak_running_seqs = max(self.stats.peak_running_seqs, running)
         for out in outputs:

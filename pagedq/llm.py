@@ -112,10 +112,9 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
+                for out in self.engine.step(finished_only=True):
+                    done[out.request_id] = out
+                    bar.update(1)
         except BaseException:
             for rid in ids:
                 self.engine.abort(rid)

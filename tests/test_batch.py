@@ -179,11 +179,11 @@ def test_ctrl_c_keeps_finished_rows_and_a_rerun_completes(
     real_step = Engine.step
     calls = {"n": 0}
 
-    def interrupting_step(self: Engine) -> Any:
+    def interrupting_step(self: Engine, **kwargs: bool) -> Any:
         calls["n"] += 1
         if calls["n"] == 12:
             raise KeyboardInterrupt
-        return real_step(self)
+        return real_step(self, **kwargs)
 
     monkeypatch.setattr(Engine, "step", interrupting_step)
     partial = run_batch(src, out, options(tiny, max_num_seqs=4))

@@ -128,11 +128,11 @@ def test_ctrl_c_exits_130_with_a_partial_summary(
     write_input(src, 20)
     real_step, calls = Engine.step, [0]
 
-    def interrupting_step(self: Engine) -> Any:
+    def interrupting_step(self: Engine, **kwargs: bool) -> Any:
         calls[0] += 1
         if calls[0] == 8:
             raise KeyboardInterrupt
-        return real_step(self)
+        return real_step(self, **kwargs)
 
     monkeypatch.setattr(Engine, "step", interrupting_step)
     assert cli.main(batch_args(tiny, src, out, "--max-num-seqs", "2")) == cli.EXIT_INTERRUPTED

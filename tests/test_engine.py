@@ -103,8 +103,8 @@ def test_forks_respect_max_num_seqs(tiny: Path, cache: str) -> None:
     tight = LLM(str(tiny), device="cpu", num_blocks=128, cache=cache, max_num_seqs=2)
     step, peak = tight.engine.step, [0]
 
-    def watched_step() -> list:  # type: ignore[type-arg]
-        outs = step()
+    def watched_step(**kwargs: bool) -> list:  # type: ignore[type-arg]
+        outs = step(**kwargs)
         peak[0] = max(peak[0], len(tight.engine.scheduler.running))
         return outs
 
@@ -201,6 +201,21 @@ def test_streaming_abort_and_add_while_running(tiny: Path) -> None:
                 finished[out.request_id] = out
     assert set(finished) == {"a", "c"}
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_finished_only_steps_return_each_result_once(tiny: Path) -> None:
+    engine = LLM(str(tiny), device="cpu", num_blocks=64).engine
+    prompts = shared_prefix_prompts(3)
+    lengths = {"a": 2, "b": 5, "c": 9}
+    for (rid, n), prompt in zip(lengths.items(), prompts, strict=True):
+        engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), request_id=rid)
+    results = []
+    while engine.has_unfinished_requests():
+        results += engine.step(finished_only=True)
+    assert [o.request_id for o in results] == ["a", "b", "c"]
+    assert all(o.finished and len(o.outputs[0].token_ids) == lengths[o.request_id]
+               for o in results)  # fmt: skip
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
 def test_bad_requests_raise_typed_errors_and_do_not_disturb_others(tiny: Path) -> None:

@@ -39,7 +39,8 @@ def make_row(
     generator: torch.Generator | None = None,
     stop: Iterable[int] = (),
 ) -> SamplingRow:
-    return SamplingRow(params, list(prompt), list(output), generator, frozenset(stop))
+    tokens = [*prompt, *output]
+    return SamplingRow(params, tokens, len(prompt), generator, frozenset(stop))
 
 
 def seeded_row(seed: int, device: str, **params: object) -> SamplingRow:

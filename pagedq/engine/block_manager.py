@@ -153,6 +153,18 @@ class BlockManager:
         Returns False, changing nothing, when the pool cannot supply the blocks (the scheduler
         then preempts or waits). `hits` only applies to a sequence with an empty block table.
         """
+        table = seq.block_table
+        if (
+            not hits
+            and table
+            and seq.num_computed_tokens + num_new_tokens <= len(table) * (self.block_size)
+        ):
+            # room in the table already (a decode step, mostly): only a shared, partly filled
+            # last block needs work, a private copy before this sequence writes into it
+            if not seq.num_computed_tokens % self.block_size or num_new_tokens == 0:
+                return True
+            if self.blocks[table[-1]].ref_count == 1:
+                return True
         plan = self._plan(seq, num_new_tokens, hits)
         if plan is None:
             return False

@@ -35,10 +35,22 @@ class SamplingRow:
     """What the sampler needs of one sequence in this step."""
 
     params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    token_ids: Sequence[int]  # prompt then output so far (read, never copied, unless penalised)
+    num_prompt_tokens: int
     generator: torch.Generator | None  # per-request RNG (seeded requests); None: global RNG
     stop_token_ids: frozenset[int]  # masked while len(output) < params.min_tokens (eos ∪ stop)
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +101,7 @@ class _BatchPlan:
             p = row.params
             if p.temperature >= GREEDY_TEMPERATURE_EPS:  # `not p.greedy`, inlined: hot loop
                 plan.sampled.append(i)
-            if p.min_tokens and row.stop_token_ids and len(row.output_token_ids) < p.min_tokens:
+            if p.min_tokens and row.stop_token_ids and row.num_output_tokens < p.min_tokens:
                 plan.min_tokens.append(i)
             if p.repetition_penalty != 1.0:
                 plan.repetition.append(i)
