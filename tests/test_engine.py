@@ -3,6 +3,7 @@ forks share blocks, stops, streaming, aborts and typed errors."""
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,10 @@ def test_finished_only_steps_return_each_result_once(tiny: Path) -> None:
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
+class Token(enum.IntEnum):
+    SIX = 6
+
+
 def test_bad_requests_raise_typed_errors_and_do_not_disturb_others(tiny: Path) -> None:
     llm = LLM(str(tiny), device="cpu", num_blocks=64, max_model_len=64)
     engine: Engine = llm.engine
@@ -226,6 +231,13 @@ def test_bad_requests_raise_typed_errors_and_do_not_disturb_others(tiny: Path) -
         engine.add_request(list(range(3, 70)), GREEDY)
     with pytest.raises(InvalidTokenIdError, match="384"):
         engine.add_request([1, 999], GREEDY)
+    with pytest.raises(InvalidTokenIdError, match="token 2 is -1"):
+        engine.add_request([1, 2, -1], GREEDY)
+    with pytest.raises(InvalidRequestError, match="list of int"):
+        engine.add_request([5, True], GREEDY)  # bools are not token ids
+    with pytest.raises(InvalidRequestError, match="list of int"):
+        engine.add_request([5, 6.0], GREEDY)  # type: ignore[list-item]
+    engine.add_request([5, Token.SIX], GREEDY, request_id="int-subclass")  # converted to int
     with pytest.raises(DuplicateRequestError):
         engine.add_request([5], GREEDY, request_id="good")
     with pytest.raises(InvalidRequestError):
@@ -235,7 +247,8 @@ def test_bad_requests_raise_typed_errors_and_do_not_disturb_others(tiny: Path) -
     outs = []
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
-    assert [o.request_id for o in outs] == ["good"]
+    assert [o.request_id for o in outs] == ["good", "int-subclass"]
+    assert outs[1].prompt_token_ids == [5, 6] and type(outs[1].prompt_token_ids[1]) is int
     with pytest.raises(PromptTooLongError, match="prompt 1"):
         llm.generate([[5], list(range(3, 80))], GREEDY, use_tqdm=False)
     assert not engine.has_unfinished_requests()
