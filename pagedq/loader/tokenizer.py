@@ -117,6 +117,11 @@ class Tokenizer:
         """The text of `ids`, as transformers' `decode` (no clean-up of spaces)."""
         return self._backend.decode([int(i) for i in ids], skip_special_tokens)
 
+    def decode_ints(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """`decode` of a list already holding plain ints (no per-id conversion: the
+        incremental detokenizer calls it twice per generated token)."""
+        return self._backend.decode(ids, skip_special_tokens)
+
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary entry or added token; None when there is none."""
         return self._backend.token_to_id(token)
@@ -299,7 +304,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one token; return the new text it completes (may be "")."""
-        self._ids.append(token_id)
+        self._ids.append(int(token_id))  # plain ints: windows decode without conversion
         return self._emit(hold_back=True)
 
     def flush(self) -> str:
@@ -319,4 +324,4 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, stop: int) -> str:
         if start >= stop:
             return ""
-        return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=self._skip)
+        return self._tokenizer.decode_ints(self._ids[start:stop], skip_special_tokens=self._skip)
