@@ -248,6 +248,8 @@ class BlockManager:
         if num_tokens is None:
             num_tokens = seq.num_computed_tokens
         num_full = num_tokens // self.block_size
+        if num_full <= seq.num_hashed_blocks:
+            return  # no block filled since the last call (most decode steps)
         self._extend_hashes(seq, num_full, extra_key)
         for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
