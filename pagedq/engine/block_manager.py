@@ -153,17 +153,12 @@ class BlockManager:
         Returns False, changing nothing, when the pool cannot supply the blocks (the scheduler
         then preempts or waits). `hits` only applies to a sequence with an empty block table.
         """
-        table = seq.block_table
-        if (
-            not hits
-            and table
-            and seq.num_computed_tokens + num_new_tokens <= len(table) * (self.block_size)
-        ):
-            # room in the table already (a decode step, mostly): only a shared, partly filled
-            # last block needs work, a private copy before this sequence writes into it
-            if not seq.num_computed_tokens % self.block_size or num_new_tokens == 0:
-                return True
-            if self.blocks[table[-1]].ref_count == 1:
+        table, computed = seq.block_table, seq.num_computed_tokens
+        if not hits and table and computed + num_new_tokens <= len(table) * self.block_size:
+            # room in the table already (a decode step, mostly): nothing to take unless the
+            # last block is shared and partly filled (the writer needs a private copy)
+            partly_filled = computed % self.block_size and num_new_tokens
+            if not partly_filled or self.blocks[table[-1]].ref_count == 1:
                 return True
         plan = self._plan(seq, num_new_tokens, hits)
         if plan is None:

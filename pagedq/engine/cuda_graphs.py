@@ -3,12 +3,11 @@
 A decode step launches a dozen kernels per layer, hundreds for a 7B model, and at small
 batches launching them from Python takes longer than running them (H200, the 224 GPTQ
 linears of a Llama-2-7B step at one token: 2.7 ms eager, 1.13 ms replayed). `DecodeGraphs`
-captures the whole forward of a plain decode step, logits included, and replays it.
+captures the whole forward of a decode step, logits included, and replays it.
 
 - **Keys.** A graph is captured per (batch bucket, context bucket, prefix bucket), on first
-  use: the step
-  runs once eagerly on the static buffers (kernels compile, the CUDA extension builds,
-  autotuners measure, all outside capture), is captured, then replayed. Batch buckets are
+  use: the step runs once eagerly on the static buffers (kernels compile, the CUDA extension
+  builds, autotuners measure, all outside capture), is captured, then replayed. Batch buckets are
   BATCH_BUCKETS up to the first one that holds `max_num_seqs`; a step of n sequences pads
   to the smallest bucket >= n. The context bucket is the smallest power of two (at least
   MIN_CONTEXT) >= the step's longest context, capped at the pool's longest sequence: the
@@ -81,7 +80,7 @@ def context_bucket(max_seq_len: int, capacity: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class DecodeStep:
-    """A plain decode step on the host: one new token per sequence, no shared-prefix cascade."""
+    """A decode step on the host: one new token per sequence (a shared prefix: the cascade)."""
 
     tokens: list[int]  # [n] the new token of each sequence
     positions: list[int]  # [n] its position

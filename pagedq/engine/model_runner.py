@@ -23,7 +23,7 @@ CASCADE_MIN_BLOCKS = 4
 class ModelRunner:
     """Runs flat batches of prefill chunks and decode tokens over the paged KV cache.
 
-    On CUDA, plain decode steps replay captured graphs (`DecodeGraphs`) unless
+    On CUDA, decode steps replay captured graphs (`DecodeGraphs`) unless
     `enforce_eager`; every other step, and every step on CPU, runs the model eagerly.
     """
 
