@@ -108,12 +108,18 @@ def timed_runs(llm: LLM, batch: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def engine_bench_args(doc: str) -> argparse.Namespace:
+    """--out (result folder), --work (the synthetic model's folder) and --repeats, shared by
+    the engine benches."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/pagedq-llama2-7b-gptq"))
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = engine_bench_args(__doc__ or "")
     start = time.perf_counter()
     folder = write_model(args.work)
     print(f"model folder ready in {time.perf_counter() - start:.0f} s", flush=True)

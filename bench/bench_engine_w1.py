@@ -14,16 +14,14 @@ Run (about 1 minute on an H200, plus about 1 minute to write the model the first
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.bench_engine_decode import VOCAB, environment, write_model
+from bench.bench_engine_decode import VOCAB, engine_bench_args, environment, write_model
 from pagedq import LLM, SamplingParams
 
 PROMPTS, SYSTEM_TOKENS, OWN_TOKENS, NEW_TOKENS = 128, 1024, 64, 64
@@ -42,7 +40,7 @@ def timed_runs(llm: LLM, repeats: int, seed: int) -> tuple[float, dict[str, Any]
     last run's counters."""
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     times = []
-    hits: dict[str, Any] = {}
+    counters: dict[str, Any] = {}
     for run in range(repeats + 1):
         batch = prompts(seed + run)
         before = llm.stats()
@@ -55,16 +53,12 @@ def timed_runs(llm: LLM, repeats: int, seed: int) -> tuple[float, dict[str, Any]
         assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
         after = llm.stats()
         keys = ("prefix_queried_tokens", "prefix_hit_tokens", "graph_steps")
-        hits = {k: int(after[k]) - int(before[k]) for k in keys}
-    return statistics.median(times), hits
+        counters = {k: int(after[k]) - int(before[k]) for k in keys}
+    return statistics.median(times), counters
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--work", type=Path, default=Path("/tmp/pagedq-llama2-7b-gptq"))
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = engine_bench_args(__doc__ or "")
     folder = write_model(args.work)
     llm = LLM(str(folder), device="cuda", num_blocks=4096, max_num_seqs=PROMPTS)
     runner = llm.engine.runner

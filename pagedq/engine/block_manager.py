@@ -153,13 +153,9 @@ class BlockManager:
         Returns False, changing nothing, when the pool cannot supply the blocks (the scheduler
         then preempts or waits). `hits` only applies to a sequence with an empty block table.
         """
-        table, computed = seq.block_table, seq.num_computed_tokens
-        if not hits and table and computed + num_new_tokens <= len(table) * self.block_size:
-            # room in the table already (a decode step, mostly): nothing to take unless the
-            # last block is shared and partly filled (the writer needs a private copy)
-            partly_filled = computed % self.block_size and num_new_tokens
-            if not partly_filled or self.blocks[table[-1]].ref_count == 1:
-                return True
+        room = len(seq.block_table) * self.block_size - seq.num_computed_tokens
+        if not hits and num_new_tokens <= room and not self._needs_copy(seq, num_new_tokens):
+            return True  # nothing to take (a decode step, mostly)
         plan = self._plan(seq, num_new_tokens, hits)
         if plan is None:
             return False
@@ -183,13 +179,21 @@ class BlockManager:
         have = len(seq.block_table) + len(hits)
         need = self.blocks_for(computed + num_new_tokens)
         plan = _Pending(hits=list(hits), num_fresh=max(0, need - have))
-        # Writing into a shared, partially filled last block needs a private copy first.
-        if seq.block_table and num_new_tokens > 0 and computed % self.block_size:
-            plan.cow = self.blocks[seq.block_table[-1]].ref_count > 1
+        plan.cow = self._needs_copy(seq, num_new_tokens)
         revived = sum(1 for b in plan.hits if self.blocks[b].ref_count == 0)
         if plan.num_fresh + int(plan.cow) > self.num_free_blocks - revived:
             return None
         return plan
+
+    def _needs_copy(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Writing into a shared, partially filled last block needs a private copy first."""
+        table = seq.block_table
+        return bool(
+            table
+            and num_new_tokens > 0
+            and seq.num_computed_tokens % self.block_size
+            and self.blocks[table[-1]].ref_count > 1
+        )
 
     def _copy_on_write(self, seq: Sequence) -> None:
         src = seq.block_table[-1]
