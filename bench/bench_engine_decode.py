@@ -5,9 +5,10 @@ heads, vocab 32000) with random 4-bit GPTQ weights (group 128, symmetric, fp16 s
 embeddings and lm_head, written once into --work. Workload W2 of targets.md: B prompts of 8
 random tokens, 128 new tokens each, greedy, EOS ignored, for B = 1, 16, 64 (max_num_seqs 64).
 Each B runs once untimed (kernels compile, graphs are captured), then --repeats timed runs;
-new tokens/s = B * 128 / the median wall time of `LLM.generate`. The eager rows use the same
-engine with its graphs detached, which is what `enforce_eager=True` builds (one 3.9 GB load
-instead of two).
+new tokens/s = B * 128 / the median wall time of `LLM.generate`. Three modes (`MODES`): graphs
+with launch-ahead (the default engine), graphs one step at a time (`launch_ahead=False`), and
+eager steps: the same engine with its graphs detached, which is what `enforce_eager=True`
+builds (one 3.9 GB load instead of two).
 
 Run (about 2 minutes on an H200, plus about 1 minute to write the model the first time):
     PYTHONPATH=. python3 bench/bench_engine_decode.py --out bench/results
@@ -32,6 +33,8 @@ LAYERS, HIDDEN, INTER, HEADS, VOCAB, GROUP = 32, 4096, 11008, 32, 32000, 128
 BATCHES = (1, 16, 64)
 PROMPT_TOKENS, NEW_TOKENS = 8, 128
 TARGETS = {1: 800, 16: 6000, 64: 15000}  # targets.md W2, new tokens/s
+# mode -> (decode steps from CUDA graphs, launch-ahead)
+MODES = {"graphs": (True, True), "graphs, no launch-ahead": (True, False), "eager": (False, True)}
 
 
 def write_model(folder: Path) -> Path:
@@ -127,10 +130,9 @@ def main() -> None:
     llm = LLM(str(folder), device="cuda", num_blocks=2048, max_num_seqs=max(BATCHES))
     print(f"loaded in {time.perf_counter() - start:.0f} s", flush=True)
     rows: list[dict[str, Any]] = []
-    runner = llm.engine.runner
-    graphs = runner.graphs
-    for mode in ("graphs", "eager"):
-        runner.graphs = graphs if mode == "graphs" else None
+    graphs = llm.engine.runner.graphs
+    for mode in MODES:
+        set_mode(llm, graphs, mode)
         for batch in BATCHES:
             seconds = timed_runs(llm, batch, args.repeats)
             row = {"mode": mode, "batch": batch, "seconds": seconds,
@@ -138,8 +140,15 @@ def main() -> None:
                    "ms_per_step": seconds / (NEW_TOKENS + 1) * 1e3}  # fmt: skip
             rows.append(row)
             print(f"  {mode} B={batch}: {row['tokens_per_s']:.0f} tok/s", flush=True)
-    runner.graphs = graphs
+    set_mode(llm, graphs, "graphs")
     write(rows, llm, args.out)
+
+
+def set_mode(llm: LLM, graphs: Any, mode: str) -> None:
+    """Put the engine in one of MODES; `graphs` is the runner's own DecodeGraphs."""
+    use_graphs, ahead = MODES[mode]
+    llm.engine.runner.graphs = graphs if use_graphs else None
+    llm.engine.launch_ahead = ahead
 
 
 def environment(llm: LLM) -> dict[str, Any]:
@@ -165,14 +174,17 @@ def write(rows: list[dict[str, Any]], llm: LLM, out: Path) -> None:
         "",
         "Command: `PYTHONPATH=. python3 bench/bench_engine_decode.py --out bench/results`",
         "",
-        "| B | graphs tok/s | eager tok/s | graphs ms/step | eager ms/step | target tok/s |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "tok/s (ms/step) per mode:",
+        "",
+        "| B | " + " | ".join(MODES) + " | target tok/s |",
+        "| --- |" + " --- |" * len(MODES) + " --- |",
     ]
     for b in BATCHES:
-        gr, ea = by[("graphs", b)], by[("eager", b)]
+        cells = [by[(m, b)] for m in MODES]
         lines.append(
-            f"| {b} | {gr['tokens_per_s']:.0f} | {ea['tokens_per_s']:.0f} | "
-            f"{gr['ms_per_step']:.2f} | {ea['ms_per_step']:.2f} | {TARGETS[b]} |"
+            f"| {b} | "
+            + " | ".join(f"{r['tokens_per_s']:.0f} ({r['ms_per_step']:.2f})" for r in cells)
+            + f" | {TARGETS[b]} |"
         )
     text = "\n".join(lines) + "\n"
     (out / f"engine_decode_{stamp}.md").write_text(text)

@@ -6,7 +6,9 @@ each, greedy, EOS ignored, all 128 in one batch (`max_num_seqs` 128), prefix cac
 Every timed run draws a new system prompt and new own tokens, so its prefix is computed once
 in the run and nothing is served from an earlier run's cache. Each mode runs once untimed
 (kernels compile, graphs are captured), then --repeats timed runs; new tokens/s = 128 * 64 /
-the median wall time of `LLM.generate`. "Eager" is the same engine with its graphs detached.
+the median wall time of `LLM.generate`. The modes are bench_engine_decode's `MODES`: graphs with
+launch-ahead (the default engine), graphs one step at a time, and eager steps (the same engine
+with its graphs detached).
 
 Run (about 1 minute on an H200, plus about 1 minute to write the model the first time):
     PYTHONPATH=. python3 bench/bench_engine_w1.py --out bench/results
@@ -21,7 +23,14 @@ from typing import Any
 
 import torch
 
-from bench.bench_engine_decode import VOCAB, engine_bench_args, environment, write_model
+from bench.bench_engine_decode import (
+    MODES,
+    VOCAB,
+    engine_bench_args,
+    environment,
+    set_mode,
+    write_model,
+)
 from pagedq import LLM, SamplingParams
 
 PROMPTS, SYSTEM_TOKENS, OWN_TOKENS, NEW_TOKENS = 128, 1024, 64, 64
@@ -61,16 +70,15 @@ def main() -> None:
     args = engine_bench_args(__doc__ or "")
     folder = write_model(args.work)
     llm = LLM(str(folder), device="cuda", num_blocks=4096, max_num_seqs=PROMPTS)
-    runner = llm.engine.runner
-    graphs = runner.graphs
+    graphs = llm.engine.runner.graphs
     rows = []
-    for i, mode in enumerate(("graphs", "eager")):
-        runner.graphs = graphs if mode == "graphs" else None
+    for i, mode in enumerate(MODES):
+        set_mode(llm, graphs, mode)
         seconds, counters = timed_runs(llm, args.repeats, seed=1000 * i)
         rows.append({"mode": mode, "seconds": seconds,
                      "tokens_per_s": PROMPTS * NEW_TOKENS / seconds, **counters})  # fmt: skip
         print(f"  {mode}: {seconds:.3f} s, {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
-    runner.graphs = graphs
+    set_mode(llm, graphs, "graphs")
     env = environment(llm)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"engine_w1_{env['date_utc']}"

@@ -72,6 +72,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # split long prompts across steps
     seed: int = 0  # seed of the global RNG (unseeded requests)
     enforce_eager: bool = False  # CUDA: never replay decode steps from CUDA graphs
+    # launch the next step before a step returns, so that the GPU computes it while the host
+    # decodes text and the caller handles outputs; None: on for CUDA, off on CPU
+    launch_ahead: bool | None = None
 
     def __post_init__(self) -> None:
         from pagedq.errors import ConfigError
@@ -86,6 +89,10 @@ class EngineConfig:
             )
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.launch_ahead is not None and not isinstance(self.launch_ahead, bool):
+            raise ConfigError(
+                f"launch_ahead must be true, false or None, got {self.launch_ahead!r}"
+            )
         _positive("num_blocks", self.num_blocks)
         _positive("kv_cache_bytes", self.kv_cache_bytes)
         _positive("max_model_len", self.max_model_len)

@@ -40,6 +40,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         seed: int = 0,
         enforce_eager: bool = False,
+        launch_ahead: bool | None = None,
     ) -> None:
         config = EngineConfig(
             model=None if model is None else str(model),
@@ -57,6 +58,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             seed=seed,
             enforce_eager=enforce_eager,
+            launch_ahead=launch_ahead,
         )
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer

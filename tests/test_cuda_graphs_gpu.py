@@ -109,6 +109,20 @@ def test_graph_decode_matches_eager_gptq(tmp_path: Path) -> None:
     assert_same_generations(got, expected, "float16")
 
 
+def test_launch_ahead_matches_one_step_at_a_time(tmp_path: Path) -> None:
+    """The engine's default on CUDA launches each step before the previous one's outputs are
+    built; the tokens and log-probs are exactly those of one step at a time (the same kernels
+    run in the same order)."""
+    folder = make_tiny_llama(tmp_path / "m", **SHAPE)
+    prompts = ragged_prompts(13)
+    ahead_llm, ahead = run(folder, prompts, "float32", eager=False)
+    assert ahead_llm.engine.launch_ahead
+    _, sync = run(folder, prompts, "float32", eager=False, launch_ahead=False)
+    assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in sync]
+    assert [o.outputs[0].logprobs for o in ahead] == [o.outputs[0].logprobs for o in sync]
+    assert ahead_llm.engine._launched is None
+
+
 def test_requests_joining_and_aborting_mid_run(tmp_path: Path) -> None:
     """Continuous batching: the batch changes bucket every few steps; an abort frees its rows."""
     folder = make_tiny_llama(tmp_path / "m", **SHAPE)

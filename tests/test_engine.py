@@ -219,6 +219,117 @@ def test_finished_only_steps_return_each_result_once(tiny: Path) -> None:
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
+# --- launch-ahead (on by default on CUDA; forced on here) -----------------------------------
+
+
+def completions(outs: list) -> list[tuple]:  # type: ignore[type-arg]
+    return [
+        (c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob)
+        for o in outs
+        for c in o.outputs
+    ]
+
+
+@pytest.mark.parametrize(("cache", "num_blocks"), [("paged", 256), ("paged", 9), ("static", 64)])
+def test_launch_ahead_gives_the_results_of_one_step_at_a_time(
+    tiny: Path, cache: str, num_blocks: int
+) -> None:
+    """Every kind of request (greedy, seeded sampling with forks, stop strings, stop ids,
+    log-probs, eos) over a shared prefix, with preemption in the 9-block pool: the same
+    completions, text included, with and without launch-ahead."""
+    prompts = shared_prefix_prompts(12, prefix_len=20)
+    reference = LLM(str(tiny), device="cpu", num_blocks=512).generate(prompts, GREEDY)
+    text = reference[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    kinds = [
+        GREEDY,
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop]),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[7, 11, 13, 17]),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=10, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=5, min_tokens=3),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+    got = {}
+    for ahead in (False, True):
+        llm = LLM(
+            str(tiny), device="cpu", cache=cache, num_blocks=num_blocks, max_model_len=48,
+            launch_ahead=ahead,
+        )  # fmt: skip
+        assert llm.engine.launch_ahead is ahead
+        got[ahead] = completions(llm.generate(prompts, params, use_tqdm=False))
+        assert llm.engine.block_manager.num_used_blocks == 0
+        if num_blocks == 9:
+            assert llm.stats()["preemptions"] > 0
+    assert got[True] == got[False]
+
+
+def test_launch_ahead_streams_aborts_and_adds(tiny: Path) -> None:
+    """Streaming with a step always launched ahead: a request aborted while its next token is
+    being computed never reappears, one added meanwhile joins a step later, every finished
+    result comes once, and its tokens are those of a run without launch-ahead."""
+    prompts = shared_prefix_prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    alone = {
+        rid: o.outputs[0].token_ids
+        for rid, o in zip("acd", LLM(str(tiny), device="cpu").generate(
+            [prompts[0], prompts[2], prompts[3]], params, use_tqdm=False
+        ), strict=True)
+    }  # fmt: skip
+    engine = LLM(str(tiny), device="cpu", num_blocks=64, launch_ahead=True).engine
+    engine.add_request(prompts[0], params, request_id="a")
+    engine.add_request(prompts[1], params, request_id="b")
+    streamed: dict[str, list[int]] = {}
+    for _ in range(3):
+        for out in engine.step():
+            streamed[out.request_id] = out.outputs[0].token_ids
+    assert {rid: len(ids) for rid, ids in streamed.items()} == {"a": 3, "b": 3}
+    assert engine._launched is not None  # step 4 runs while the caller looks at step 3
+    assert engine.abort("b") and not engine.abort("b")
+    engine.add_request(prompts[2], params, request_id="c")
+    first = engine.step()
+    assert [o.request_id for o in first] == ["a"]  # "c" was not in the step launched ahead
+    engine.add_request(prompts[3], params, request_id="d")
+    finished: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != "b"
+            if out.finished:
+                assert out.request_id not in finished
+                finished[out.request_id] = out.outputs[0].token_ids
+    assert finished == alone
+    assert engine.block_manager.num_used_blocks == 0 and engine._launched is None
+
+
+def test_a_failed_launch_ahead_keeps_the_steps_results(tiny: Path) -> None:
+    """The step launched ahead fails (say, CUDA OOM): the current step's outputs still come
+    back, the error reaches the caller on the next step, and the engine finishes cleanly."""
+    prompts = shared_prefix_prompts(3)
+    expected = tokens(LLM(str(tiny), device="cpu").generate(prompts, GREEDY, use_tqdm=False))
+    llm = LLM(str(tiny), device="cpu", num_blocks=64, launch_ahead=True)
+    engine = llm.engine
+    execute, calls = engine.runner.execute, [0]
+
+    def failing_once(out):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] in (3, 4):  # the ahead launch of step 3, then its retry in the next call
+            raise RuntimeError("simulated out of memory")
+        return execute(out)
+
+    engine.runner.execute = failing_once  # type: ignore[method-assign]
+    for i, p in enumerate(prompts):
+        engine.add_request(p, GREEDY, request_id=str(i))
+    assert all(len(o.outputs[0].token_ids) == 1 for o in engine.step())
+    assert all(len(o.outputs[0].token_ids) == 2 for o in engine.step())  # launch 3 failed
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.step()
+    engine.block_manager.check_invariants([s.block_table for s in engine.scheduler.running])
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step(finished_only=True)})
+    assert [done[str(i)].outputs[0].token_ids for i in range(3)] == expected
+
+
 class Token(enum.IntEnum):
     SIX = 6
 

@@ -2,6 +2,16 @@
 
 `LLM` (offline) and serving code both drive this class. A request is validated entirely in
 `add_request`, so a bad one raises there and never disturbs the others.
+
+Launch-ahead (on by default on CUDA). A step samples the tokens of the step launched before
+it, appends them and applies the stop conditions, then schedules and launches the next step,
+and only then decodes the new tokens' text and builds its outputs: the GPU computes the next
+step while the host does that and while the caller handles the outputs. Scheduling still
+follows the tokens just sampled, so the steps and tokens are those of one step at a time. What
+changes: a request added between two calls joins the step after the one already launched (one
+step later), and an aborted request's row of the launched step is dropped when it is sampled.
+Requests with stop strings decode their text before the next launch (it decides whether they
+go on).
 """
 
 from __future__ import annotations
@@ -33,6 +43,14 @@ from pagedq.outputs import CompletionOutput, RequestOutput
 from pagedq.sampling_params import SamplingParams
 
 Prompt = str | Seq[int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Launched:
+    """A step whose forward is queued: its schedule and its logits (rows of sampling chunks)."""
+
+    out: SchedulerOutput
+    logits: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -89,6 +107,9 @@ class Engine:
             enforce_eager=config.enforce_eager,
         )
         self.sampler = Sampler()
+        ahead = config.launch_ahead
+        self.launch_ahead = r.device.type == "cuda" if ahead is None else ahead
+        self._launched: _Launched | None = None  # the step launched ahead, not yet sampled
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
@@ -210,25 +231,49 @@ class Engine:
     # --- one step ----------------------------------------------------------------------------
 
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
-        """Schedule, run the model, sample; outputs of every request that progressed, or with
-        `finished_only` of those that finished (callers that collect only results skip
-        building the others: at a batch of 128, a tenth of a step's host time)."""
+        """Run one step: outputs of every request that progressed, or with `finished_only` of
+        those that finished (callers that collect only results skip building the others: at a
+        batch of 128, a tenth of a step's host time). With launch-ahead, the next step is
+        launched before this one's outputs are built (see the module docstring)."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            launched = self._launch()
+            if launched is None:
+                return []
+        rows = self._sample_and_update(launched.out, launched.logits)
+        if self.launch_ahead and self.scheduler.has_unfinished():
+            try:
+                self._launched = self._launch()
+            except Exception:  # rolled back: the next call schedules it again and raises there
+                self._launched = None
+        touched: dict[str, _Request] = {}
+        for seq in rows:
+            self._decode_text(seq)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        return [self._finish_output(r) for r in touched.values() if r.finished or not finished_only]
+
+    def _launch(self) -> _Launched | None:
+        """Schedule a step and queue its forward; None when nothing is left to run."""
         out = self.scheduler.schedule()
         if not out.chunks:
             if self.scheduler.has_unfinished():
                 raise AssertionError("scheduler made no progress with requests pending")
-            return []
+            return None
         try:
             logits = self.runner.execute(out)
         except BaseException:
             self.scheduler.rollback(out)  # e.g. CUDA OOM: the engine stays usable
             raise
         self.scheduler.commit(out)
-        touched = self._sample_and_update(out, logits)
-        return [self._finish_output(r) for r in touched if r.finished or not finished_only]
+        return _Launched(out, logits)
 
-    def _sample_and_update(self, out: SchedulerOutput, logits: torch.Tensor) -> list[_Request]:
+    def _sample_and_update(self, out: SchedulerOutput, logits: torch.Tensor) -> list[Sequence]:
+        """Sample a token for every live sampling chunk and append it; returns the rows."""
         seqs = [c.seq for c in out.chunks if c.samples]
+        if any(s.is_finished for s in seqs):  # aborted since the step was launched ahead
+            live = [i for i, s in enumerate(seqs) if not s.is_finished]
+            logits = logits.index_select(0, torch.tensor(live).to(logits.device))
+            seqs = [seqs[i] for i in live]
         rows_of_seq: list[list[Sequence]] = []
         for seq in seqs:
             req = self._requests[seq.request_id]
@@ -237,15 +282,15 @@ class Engine:
                 group += self._fork(req, seq)
             rows_of_seq.append(group)
         rows = [s for g in rows_of_seq for s in g]
+        if not rows:
+            return []
         if len(rows) > len(seqs):  # forked rows sample from their parent's logits
             index = [i for i, g in enumerate(rows_of_seq) for _ in g]
             logits = logits.index_select(0, torch.tensor(index).to(logits.device))
         result = self.sampler(logits, [self._row(s) for s in rows])
-        touched: dict[str, _Request] = {}
         for i, seq in enumerate(rows):
             self._append(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
-            touched[seq.request_id] = self._requests[seq.request_id]
-        return list(touched.values())
+        return rows
 
     def _fork(self, req: _Request, parent: Sequence) -> list[Sequence]:
         children = []
@@ -270,6 +315,8 @@ class Engine:
     def _append(
         self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None
     ) -> None:
+        """Append a sampled token and apply the stop conditions; the text follows in
+        `_decode_text` (now for requests with stop strings)."""
         req = self._requests[seq.request_id]
         seq.token_ids.append(token)
         seq.extra["cum_logprob"] += logprob
@@ -277,20 +324,27 @@ class Engine:
             entry = dict(top or {})
             entry[token] = logprob
             seq.extra["logprobs"].append(entry)
-        delta = seq.extra["detok"].add(token)
-        seq.extra["text"] += delta
-        reason = self._stop_reason(req, seq, token, len(delta))
+        reason = self._stop_reason(req, seq, token)
         if reason is not None:
-            if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
-                seq.extra["text"] += seq.extra["detok"].flush()
             self.scheduler.finish(seq, reason)
 
-    def _stop_reason(self, req: _Request, seq: Sequence, token: int, delta_len: int) -> str | None:
+    def _decode_text(self, seq: Sequence) -> int:
+        """Detokenize the output tokens of `seq` not decoded yet, and at its end what is held
+        back (unless a stop string cut the text); returns the length of the new text."""
+        detok: IncrementalDetokenizer = seq.extra["detok"]
+        new = seq.token_ids[seq.num_prompt_tokens + detok.num_tokens :]
+        delta = detok.add_many(new) if new else ""
+        seq.extra["text"] += delta
+        if seq.finish_reason in ("stop", "length") and not isinstance(seq.stop_reason, str):
+            seq.extra["text"] += detok.flush()
+        return len(delta)
+
+    def _stop_reason(self, req: _Request, seq: Sequence, token: int) -> str | None:
         params = req.params
         if token in req.stop_ids:  # the sampler masks these until min_tokens
             seq.stop_reason = token if token in params.stop_token_ids else None
             return "stop"
-        if params.stop and self._check_stop_strings(seq, params, delta_len):
+        if params.stop and self._check_stop_strings(seq, params, self._decode_text(seq)):
             return "stop"
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

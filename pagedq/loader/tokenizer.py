@@ -302,9 +302,19 @@ class IncrementalDetokenizer:
         """All output text emitted so far."""
         return self._text
 
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens added so far."""
+        return len(self._ids)
+
     def add(self, token_id: int) -> str:
         """Append one token; return the new text it completes (may be "")."""
         self._ids.append(int(token_id))  # plain ints: windows decode without conversion
+        return self._emit(hold_back=True)
+
+    def add_many(self, token_ids: Sequence[int]) -> str:
+        """Append tokens (plain ints); return the new text they complete (one window decode)."""
+        self._ids.extend(token_ids)
         return self._emit(hold_back=True)
 
     def flush(self) -> str:
