@@ -315,8 +315,9 @@ class Engine:
     def _append(
         self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None
     ) -> None:
-        """Append a sampled token and apply the stop conditions; the text follows in
-        `_decode_text` (now for requests with stop strings)."""
+        """Append a sampled token and apply the stop conditions. Its text follows in
+        `_decode_text`: here for requests with stop strings, else once the next step is
+        launched."""
         req = self._requests[seq.request_id]
         seq.token_ids.append(token)
         seq.extra["cum_logprob"] += logprob
