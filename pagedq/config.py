@@ -72,8 +72,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # split long prompts across steps
     seed: int = 0  # seed of the global RNG (unseeded requests)
     enforce_eager: bool = False  # CUDA: never replay decode steps from CUDA graphs
-    # launch the next step before a step returns, so that the GPU computes it while the host
-    # decodes text and the caller handles outputs; None: on for CUDA, off on CPU
+    # launch each step before the host reads the previous one's tokens, so that the GPU never
+    # waits for the host (see pagedq/engine/llm_engine.py); None: on for CUDA, off on CPU
     launch_ahead: bool | None = None
 
     def __post_init__(self) -> None:

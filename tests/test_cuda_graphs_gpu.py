@@ -110,17 +110,19 @@ def test_graph_decode_matches_eager_gptq(tmp_path: Path) -> None:
 
 
 def test_launch_ahead_matches_one_step_at_a_time(tmp_path: Path) -> None:
-    """The engine's default on CUDA launches each step before the previous one's outputs are
-    built; the tokens and log-probs are exactly those of one step at a time (the same kernels
-    run in the same order)."""
+    """The engine's default on CUDA schedules and launches each step before the host reads
+    the previous step's tokens (the forward takes them from the device): the greedy tokens
+    are those of one step at a time, the log-probs agree to fp32 rounding (a stopping row
+    rides one step longer, so batches differ), and steps did run ahead."""
     folder = make_tiny_llama(tmp_path / "m", **SHAPE)
     prompts = ragged_prompts(13)
     ahead_llm, ahead = run(folder, prompts, "float32", eager=False)
     assert ahead_llm.engine.launch_ahead
     _, sync = run(folder, prompts, "float32", eager=False, launch_ahead=False)
     assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in sync]
-    assert [o.outputs[0].logprobs for o in ahead] == [o.outputs[0].logprobs for o in sync]
+    assert_same_generations(ahead, sync, "float32")
     assert ahead_llm.engine._launched is None
+    assert ahead_llm.stats()["graph_steps"] > 0
 
 
 def test_requests_joining_and_aborting_mid_run(tmp_path: Path) -> None:

@@ -125,7 +125,7 @@ def test_a_failed_forward_leaves_the_engine_usable(tiny: Path) -> None:
     engine = llm.engine
     execute = engine.runner.execute
 
-    def failing(out):  # type: ignore[no-untyped-def]
+    def failing(out, previous=None):  # type: ignore[no-untyped-def]
         raise RuntimeError("simulated out of memory")
 
     engine.runner.execute = failing  # type: ignore[method-assign]
@@ -223,8 +223,17 @@ def test_finished_only_steps_return_each_result_once(tiny: Path) -> None:
 
 
 def completions(outs: list) -> list[tuple]:  # type: ignore[type-arg]
+    """Tokens, text and stop of every completion, and its log-probs to 1e-4 (steps ahead may
+    batch other rows with a sequence, which moves fp32 logits in the last bits)."""
     return [
-        (c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob)
+        (
+            c.token_ids,
+            c.text,
+            c.finish_reason,
+            c.stop_reason,
+            [{t: pytest.approx(v, abs=1e-4) for t, v in e.items()} for e in c.logprobs or []],
+            pytest.approx(c.cumulative_logprob, abs=1e-4),
+        )
         for o in outs
         for c in o.outputs
     ]
@@ -235,8 +244,9 @@ def test_launch_ahead_gives_the_results_of_one_step_at_a_time(
     tiny: Path, cache: str, num_blocks: int
 ) -> None:
     """Every kind of request (greedy, seeded sampling with forks, stop strings, stop ids,
-    log-probs, eos) over a shared prefix, with preemption in the 9-block pool: the same
-    completions, text included, with and without launch-ahead."""
+    log-probs, eos, min_tokens, a penalty: its steps sample one at a time) over a shared
+    prefix, with preemption in the 9-block pool: the same completions, text included, with
+    and without launch-ahead (steps scheduled before the host reads the last tokens)."""
     prompts = shared_prefix_prompts(12, prefix_len=20)
     reference = LLM(str(tiny), device="cpu", num_blocks=512).generate(prompts, GREEDY)
     text = reference[0].outputs[0].text
@@ -248,14 +258,19 @@ def test_launch_ahead_gives_the_results_of_one_step_at_a_time(
         SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[7, 11, 13, 17]),
         SamplingParams(temperature=0.8, seed=5, max_tokens=10, logprobs=2),
         SamplingParams(temperature=0.0, max_tokens=5, min_tokens=3),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3),
     ]
     params = [kinds[i % len(kinds)] for i in range(len(prompts))]
     got = {}
     for ahead in (False, True):
         llm = LLM(
-            str(tiny), device="cpu", cache=cache, num_blocks=num_blocks, max_model_len=48,
+            str(tiny),
+            device="cpu",
+            cache=cache,
+            num_blocks=num_blocks,
+            max_model_len=48,
             launch_ahead=ahead,
-        )  # fmt: skip
+        )
         assert llm.engine.launch_ahead is ahead
         got[ahead] = completions(llm.generate(prompts, params, use_tqdm=False))
         assert llm.engine.block_manager.num_used_blocks == 0
@@ -284,7 +299,8 @@ def test_launch_ahead_streams_aborts_and_adds(tiny: Path) -> None:
         for out in engine.step():
             streamed[out.request_id] = out.outputs[0].token_ids
     assert {rid: len(ids) for rid, ids in streamed.items()} == {"a": 3, "b": 3}
-    assert engine._launched is not None  # step 4 runs while the caller looks at step 3
+    launched = engine._launched  # step 4 runs while the caller looks at step 3 ...
+    assert launched is not None and launched.sample is not None  # ... its tokens on the device
     assert engine.abort("b") and not engine.abort("b")
     engine.add_request(prompts[2], params, request_id="c")
     first = engine.step()
@@ -310,11 +326,11 @@ def test_a_failed_launch_ahead_keeps_the_steps_results(tiny: Path) -> None:
     engine = llm.engine
     execute, calls = engine.runner.execute, [0]
 
-    def failing_once(out):  # type: ignore[no-untyped-def]
+    def failing_once(out, previous=None):  # type: ignore[no-untyped-def]
         calls[0] += 1
         if calls[0] in (3, 4):  # the ahead launch of step 3, then its retry in the next call
             raise RuntimeError("simulated out of memory")
-        return execute(out)
+        return execute(out, previous)
 
     engine.runner.execute = failing_once  # type: ignore[method-assign]
     for i, p in enumerate(prompts):

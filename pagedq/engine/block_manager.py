@@ -240,13 +240,15 @@ class BlockManager:
 
         The scheduler registers blocks as soon as it schedules the tokens that fill them: the
         forward writes every token's K/V of a layer before any attention of that layer reads,
-        so a sequence admitted in the same step can already share them.
+        so a sequence admitted in the same step can already share them. A block that ends in
+        a pending token (one the device has sampled, the host not yet read) waits for the next
+        call.
         """
         if not self.enable_prefix_caching or seq.hash_chain_broken:
             return
         if num_tokens is None:
             num_tokens = seq.num_computed_tokens
-        num_full = num_tokens // self.block_size
+        num_full = min(num_tokens, seq.num_known_tokens) // self.block_size  # values to hash
         if num_full <= seq.num_hashed_blocks:
             return  # no block filled since the last call (most decode steps)
         self._extend_hashes(seq, num_full, extra_key)

@@ -91,6 +91,22 @@ class DecodeStep:
     shared_prefix_len: int = 0  # tokens of leading pages every table shares (cascade), bucketed
 
 
+@dataclass(frozen=True, slots=True)
+class PendingTokens:
+    """Input tokens the host does not know yet: the previous step sampled them on the device."""
+
+    at: list[int]  # input rows (tokens of the step) that take one
+    rows: list[int]  # the row of `tokens` each of them takes
+    tokens: torch.Tensor  # [rows of the previous step] int64, on the device
+
+    def write(self, ids: torch.Tensor) -> None:
+        """Put the tokens into the step's input ids (on the device, queued on the stream)."""
+        index = torch.tensor([self.at, self.rows], dtype=torch.int64)
+        if ids.is_cuda:
+            index = index.pin_memory().to(ids.device, non_blocking=True)
+        ids[index[0]] = self.tokens[index[1]].to(ids.dtype)
+
+
 class StepInputs:
     """Where a step's inputs sit in one flat int32 buffer, so that one copy moves them all.
 
@@ -174,9 +190,12 @@ class DecodeGraphs:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def run(self, step: DecodeStep, max_seq_len: int) -> torch.Tensor | None:
+    def run(
+        self, step: DecodeStep, max_seq_len: int, pending: PendingTokens | None = None
+    ) -> torch.Tensor | None:
         """Logits [len(step.sampling_rows), vocab] fp32 of the step, from its graph; None
-        when no graph takes it (the caller runs it eagerly)."""
+        when no graph takes it (the caller runs it eagerly). `pending`: input tokens that
+        the previous step left on the device."""
         n = len(step.tokens)
         bucket = pick_bucket(n, self.buckets)
         if not self.enabled or bucket is None or max_seq_len > self.capacity:
@@ -184,6 +203,8 @@ class DecodeGraphs:
         context = context_bucket(max_seq_len, self.capacity)
         key = (bucket, context, step.shared_prefix_len)
         self._load(step, bucket, context // self.block_size)
+        if pending is not None:
+            pending.write(self._ids)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(key)

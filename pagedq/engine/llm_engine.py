@@ -3,15 +3,17 @@
 `LLM` (offline) and serving code both drive this class. A request is validated entirely in
 `add_request`, so a bad one raises there and never disturbs the others.
 
-Launch-ahead (on by default on CUDA). A step samples the tokens of the step launched before
-it, appends them and applies the stop conditions, then schedules and launches the next step,
-and only then decodes the new tokens' text and builds its outputs: the GPU computes the next
-step while the host does that and while the caller handles the outputs. Scheduling still
-follows the tokens just sampled, so the steps and tokens are those of one step at a time. What
-changes: a request added between two calls joins the step after the one already launched (one
-step later), and an aborted request's row of the launched step is dropped when it is sampled.
-Requests with stop strings decode their text before the next launch (it decides whether they
-go on).
+Launch-ahead (on by default on CUDA) keeps the GPU from waiting for the host. A step launches
+the next one before its own tokens reach the host: the next step is scheduled as if every
+running sequence had its new token, a PENDING_TOKEN on the host that the forward reads from the
+device. Then the host reads the tokens (they replace the placeholders), applies the stop
+conditions, decodes the text and builds the outputs while the GPU runs. A sequence that stops
+computes one more token, thrown away. A step whose rows read the token history (penalties) or
+fork (the first token of n > 1) samples when the next call reads it, and the step after it is
+launched once its tokens are appended. For callers: a request added between two calls joins
+one step later, and an aborted request's row of the step already launched is dropped. Greedy
+and seeded tokens are those of one step at a time; a row may share its step with other rows,
+which moves fp32 logits in the last bits.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pagedq.engine.block_manager import BlockManager
 from pagedq.engine.model_runner import ModelRunner
 from pagedq.engine.resources import ResolvedConfig, resolve_config
 from pagedq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedq.engine.sequence import Sequence
+from pagedq.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from pagedq.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -36,7 +38,7 @@ from pagedq.errors import (
     PromptTooLongError,
     RequestTooLargeError,
 )
-from pagedq.layers.sampler import Sampler, SamplingRow
+from pagedq.layers.sampler import PendingSample, Sampler, SamplingRow
 from pagedq.loader.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedq.models.llama import load_llama
 from pagedq.outputs import CompletionOutput, RequestOutput
@@ -45,12 +47,15 @@ from pagedq.sampling_params import SamplingParams
 Prompt = str | Seq[int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Launched:
-    """A step whose forward is queued: its schedule and its logits (rows of sampling chunks)."""
+    """A step whose forward is queued: its schedule, its logits (rows of sampling chunks) and,
+    when its sampling was queued too, the sequences of its rows and the pending tokens."""
 
     out: SchedulerOutput
     logits: torch.Tensor
+    rows: list[Sequence] = field(default_factory=list)
+    sample: PendingSample | None = None
 
 
 @dataclass(slots=True)
@@ -237,35 +242,101 @@ class Engine:
         launched before this one's outputs are built (see the module docstring)."""
         launched, self._launched = self._launched, None
         if launched is None:
-            launched = self._launch()
+            launched = self._launch(None)
             if launched is None:
                 return []
-        rows = self._sample_and_update(launched.out, launched.logits)
-        if self.launch_ahead and self.scheduler.has_unfinished():
-            try:
-                self._launched = self._launch()
-            except Exception:  # rolled back: the next call schedules it again and raises there
-                self._launched = None
+        tried = False
+        if launched.sample is not None:  # its tokens are still on the device
+            if self.launch_ahead and self._runs_on(launched):
+                self._launched, tried = self._try_launch(launched), True
+            rows = self._take_sample(launched)
+        else:
+            rows = self._sample_and_update(launched.out, launched.logits)
+        if self.launch_ahead and not tried and self.scheduler.has_unfinished():
+            self._launched = self._try_launch(None)
         touched: dict[str, _Request] = {}
         for seq in rows:
             self._decode_text(seq)
             touched[seq.request_id] = self._requests[seq.request_id]
         return [self._finish_output(r) for r in touched.values() if r.finished or not finished_only]
 
-    def _launch(self) -> _Launched | None:
-        """Schedule a step and queue its forward; None when nothing is left to run."""
+    def _launch(self, previous: _Launched | None) -> _Launched | None:
+        """Schedule a step and queue its forward (and, with launch-ahead, its sampling when its
+        rows allow); None when nothing is left to run. `previous`: a launched step whose
+        tokens are still on the device; each of its running rows gets a PENDING_TOKEN that the
+        forward reads from the device and `_take_sample` replaces."""
+        device_tokens = None
+        if previous is not None and previous.sample is not None:
+            rows_of: dict[int, int] = {}
+            for i, seq in enumerate(previous.rows):
+                if seq.status is SequenceStatus.RUNNING:
+                    seq.token_ids.append(PENDING_TOKEN)
+                    rows_of[seq.seq_id] = i
+            device_tokens = (previous.sample.tokens, rows_of)
         out = self.scheduler.schedule()
         if not out.chunks:
             if self.scheduler.has_unfinished():
                 raise AssertionError("scheduler made no progress with requests pending")
             return None
         try:
-            logits = self.runner.execute(out)
+            logits = self.runner.execute(out, device_tokens)
         except BaseException:
             self.scheduler.rollback(out)  # e.g. CUDA OOM: the engine stays usable
             raise
         self.scheduler.commit(out)
-        return _Launched(out, logits)
+        launched = _Launched(out, logits)
+        if self.launch_ahead and (rows := self._queueable_rows(out)) is not None:
+            launched.rows = rows
+            launched.sample = self.sampler.launch(logits, [self._row(s) for s in rows])
+        return launched
+
+    def _try_launch(self, previous: _Launched | None) -> _Launched | None:
+        """`_launch` for a step ahead: a failure was rolled back, and the next call schedules
+        the step again and raises there."""
+        try:
+            return self._launch(previous)
+        except Exception:
+            return None
+
+    def _queueable_rows(self, out: SchedulerOutput) -> list[Sequence] | None:
+        """The rows of a step whose sampling can be queued with its forward: none forks (the
+        first token of n > 1) and none is penalised (penalties read the tokens, and the last
+        one may be pending). None when some row cannot."""
+        seqs = [c.seq for c in out.chunks if c.samples]
+        for seq in seqs:
+            req = self._requests[seq.request_id]
+            p = req.params
+            if p.n > len(req.seqs) or p.repetition_penalty != 1.0:
+                return None
+            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                return None
+        return seqs
+
+    def _runs_on(self, launched: _Launched) -> bool:
+        """Whether a step launched now has work besides rows that end by length with their
+        pending token (a step of only those would be thrown away)."""
+        limit = self.max_model_len
+        ending = {
+            s.seq_id
+            for s in launched.rows
+            if s.num_output_tokens + 1 >= s.max_tokens or s.num_tokens + 1 >= limit
+        }
+        return bool(self.scheduler.waiting) or any(
+            s.seq_id not in ending for s in self.scheduler.running
+        )
+
+    def _take_sample(self, launched: _Launched) -> list[Sequence]:
+        """Bring a queued sampling's tokens to the host and append them; returns the rows still
+        live (a row aborted, or finished by the step before, is dropped)."""
+        assert launched.sample is not None
+        result = launched.sample.result()
+        rows = []
+        for i, seq in enumerate(launched.rows):
+            if seq.is_finished:
+                continue
+            self._append(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
+            rows.append(seq)
+        return rows
 
     def _sample_and_update(self, out: SchedulerOutput, logits: torch.Tensor) -> list[Sequence]:
         """Sample a token for every live sampling chunk and append it; returns the rows."""
@@ -319,7 +390,10 @@ class Engine:
         `_decode_text`: here for requests with stop strings, else once the next step is
         launched."""
         req = self._requests[seq.request_id]
-        seq.token_ids.append(token)
+        if seq.token_ids[-1] == PENDING_TOKEN:  # the next step already reads it on the device
+            seq.token_ids[-1] = token
+        else:
+            seq.token_ids.append(token)
         seq.extra["cum_logprob"] += logprob
         if seq.extra["logprobs"] is not None:
             entry = dict(top or {})

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedq.engine.cuda_graphs import DecodeGraphs, DecodeStep, prefix_bucket
+from pagedq.engine.cuda_graphs import DecodeGraphs, DecodeStep, PendingTokens, prefix_bucket
 from pagedq.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pagedq.engine.sequence import PENDING_TOKEN
 from pagedq.models.llama import LlamaForCausalLM, allocate_kv_caches
 from pagedq.ops.attention import AttentionMetadata
 from pagedq.ops.triton_loader import launch_device
@@ -51,19 +52,26 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(
+        self, out: SchedulerOutput, previous: tuple[torch.Tensor, dict[int, int]] | None = None
+    ) -> torch.Tensor:
         """Forward every chunk; logits [num_sampling_chunks, vocab] fp32, in chunk order (a
-        replayed step's logits are valid until the next step)."""
+        replayed step's logits are valid until the next step). `previous`: the last step's
+        sampled tokens on the device and the row of each sequence (seq_id), for chunks whose
+        input is a PENDING_TOKEN."""
         # Triton launches on the current device: the model's, for the copies and graphs too
         with launch_device(self.device):
             self._copy_blocks(out.blocks_to_copy)
+            pending = _pending_tokens(out.chunks, previous)
             if self.graphs is not None:
                 step = self._decode_step(out.chunks)
                 if step is not None:
-                    logits = self.graphs.run(step, max(step.seq_lens))
+                    logits = self.graphs.run(step, max(step.seq_lens), pending)
                     if logits is not None:
                         return logits
             input_ids, positions, meta, last = self._prepare(out.chunks)
+            if pending is not None:
+                pending.write(input_ids)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
             return self.model.compute_logits(hidden[last])
 
@@ -135,6 +143,28 @@ class ModelRunner:
             meta,
             _tensor(last, torch.int64, dev),
         )
+
+
+def _pending_tokens(
+    chunks: Sequence[ScheduledChunk], previous: tuple[torch.Tensor, dict[int, int]] | None
+) -> PendingTokens | None:
+    """Where the step's inputs take tokens the previous step left on the device: decode
+    chunks whose token is a PENDING_TOKEN (input row = chunk index in a decode step, the
+    chunk's first token in a mixed one)."""
+    if previous is None:
+        return None
+    tokens, rows_of = previous
+    at: list[int] = []
+    rows: list[int] = []
+    first = 0
+    for c in chunks:
+        if c.seq.token_ids[c.start] == PENDING_TOKEN:
+            if c.num_tokens != 1:
+                raise AssertionError("a pending token can only be a decode step's input")
+            at.append(first)
+            rows.append(rows_of[c.seq.seq_id])
+        first += c.num_tokens
+    return PendingTokens(at, rows, tokens) if at else None
 
 
 def shared_prefix_len(tables: list[list[int]], seq_lens: list[int], block_size: int) -> int:

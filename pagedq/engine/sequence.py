@@ -9,6 +9,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+# A token sampled on the device whose value the host does not know yet (launch-ahead with
+# async scheduling appends it, the step's result replaces it): counted, never hashed or read.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued: never admitted, or preempted and waiting to recompute
@@ -46,6 +50,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host knows (all but a trailing PENDING_TOKEN)."""
+        n = len(self.token_ids)
+        return n - 1 if n and self.token_ids[-1] == PENDING_TOKEN else n
 
     @property
     def num_output_tokens(self) -> int:

@@ -271,12 +271,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits: [num_rows, vocab] float32 (other float dtypes are upcast); not modified."""
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
+        """Queue the sampling of `logits` (as `__call__`) without waiting for the device: the
+        tokens stay on the device for the next step's inputs, and `result()` brings
+        everything to the host."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
             )
         if not rows:
-            return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
+            return PendingSample(logits.new_zeros(0, dtype=torch.int64), None, [], None)
         raw = logits.float()
         plan = _BatchPlan.of(rows)
         x = raw
@@ -286,7 +292,7 @@ class Sampler:
                 apply_min_tokens(x, rows, plan.min_tokens)
             apply_penalties(x, rows, plan.repetition, plan.additive)
         tokens = self._choose(x, rows, plan.sampled)
-        return _to_host(raw, tokens, plan.num_top)
+        return _start_copy(raw, tokens, plan.num_top)
 
     @staticmethod
     def _choose(
@@ -302,32 +308,65 @@ class Sampler:
         return tokens
 
 
-def _to_host(
+class PendingSample:
+    """The tokens of a queued sampling, on the device, and their copy to the host."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,  # [rows] int64 on the logits' device
+        host: torch.Tensor | None,  # [2 + 2 * max_top, rows] float64, filled by the copy
+        num_top: list[int | None],  # per row: top log-probs wanted (capped at vocab)
+        copied: torch.cuda.Event | None,  # recorded after the copy (CUDA only)
+    ) -> None:
+        self.tokens = tokens
+        self._host = host
+        self._num_top = num_top
+        self._copied = copied
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copy; the tokens, their raw log-probs and the top ones as Python
+        values."""
+        if self._host is None:
+            return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
+        if self._copied is not None:
+            self._copied.synchronize()
+        host, num_top = self._host, self._num_top
+        max_top = max((k for k in num_top if k is not None), default=0)
+        top_logprobs: list[dict[int, float] | None] = [None] * len(num_top)
+        if max_top:
+            top_ids = host[2 : 2 + max_top].T.long().tolist()  # [rows][max_top]
+            top_values = host[2 + max_top :].T.tolist()  # [rows][max_top]
+            for i, k in enumerate(num_top):
+                if k is not None:
+                    top_logprobs[i] = dict(zip(top_ids[i][:k], top_values[i][:k], strict=True))
+        return SamplerOutput(
+            token_ids=host[0].long().tolist(),
+            logprobs=host[1].tolist(),
+            top_logprobs=top_logprobs,
+        )
+
+
+def _start_copy(
     raw: torch.Tensor,  # [rows, vocab] float32 raw logits
     tokens: torch.Tensor,  # [rows] int64
-    num_top: Sequence[int | None],  # per row: top log-probs wanted (capped at vocab); None
-) -> SamplerOutput:
-    """Raw log-probs of the tokens (and the top ones) and everything as Python values."""
+    num_top: Sequence[int | None],  # per row: top log-probs wanted; None
+) -> PendingSample:
+    """Raw log-probs of the tokens (and the top ones), and one device -> host copy of it all
+    (ids are exact in float64: vocab < 2**53), asynchronous on CUDA (into pinned memory)."""
     lse = torch.logsumexp(raw, dim=-1)  # [rows]
     chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse  # [rows]
     parts = [tokens.double().unsqueeze(0), chosen.double().unsqueeze(0)]
     vocab = raw.shape[1]
-    num_top = [None if k is None else min(k, vocab) for k in num_top]
-    max_top = max((k for k in num_top if k is not None), default=0)
+    capped = [None if k is None else min(k, vocab) for k in num_top]
+    max_top = max((k for k in capped if k is not None), default=0)
     if max_top:
         top = torch.topk(raw, max_top, dim=-1)  # [rows, max_top]
         parts += [top.indices.double().T, (top.values - lse.unsqueeze(1)).double().T]
-    # One device -> host copy; ids are exact in float64 (vocab < 2**53).
-    host = torch.cat(parts, dim=0).cpu()  # [2 + 2 * max_top, rows]
-    top_logprobs: list[dict[int, float] | None] = [None] * len(num_top)
-    if max_top:
-        top_ids = host[2 : 2 + max_top].T.long().tolist()  # [rows][max_top]
-        top_values = host[2 + max_top :].T.tolist()  # [rows][max_top]
-        for i, k in enumerate(num_top):
-            if k is not None:
-                top_logprobs[i] = dict(zip(top_ids[i][:k], top_values[i][:k], strict=True))
-    return SamplerOutput(
-        token_ids=host[0].long().tolist(),
-        logprobs=host[1].tolist(),
-        top_logprobs=top_logprobs,
-    )
+    values = torch.cat(parts, dim=0)  # [2 + 2 * max_top, rows]
+    if not values.is_cuda:
+        return PendingSample(tokens, values, capped, None)
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(values.device))  # the copy's stream
+    return PendingSample(tokens, host, capped, copied)
