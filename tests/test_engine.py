@@ -273,7 +273,7 @@ def test_launch_ahead_gives_the_results_of_one_step_at_a_time(
         )
         assert llm.engine.launch_ahead is ahead
         got[ahead] = completions(llm.generate(prompts, params, use_tqdm=False))
-        assert llm.engine.block_manager.num_used_blocks == 0
+        assert llm.engine.block_manager.num_used_blocks == 0 and llm.engine._launched is None
         if num_blocks == 9:
             assert llm.stats()["preemptions"] > 0
     assert got[True] == got[False]

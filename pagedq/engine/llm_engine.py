@@ -258,7 +258,12 @@ class Engine:
         for seq in rows:
             self._decode_text(seq)
             touched[seq.request_id] = self._requests[seq.request_id]
-        return [self._finish_output(r) for r in touched.values() if r.finished or not finished_only]
+        outputs = [
+            self._finish_output(r) for r in touched.values() if r.finished or not finished_only
+        ]
+        if not self._requests:  # a step launched ahead holds only rows that stopped since
+            self._launched = None
+        return outputs
 
     def _launch(self, previous: _Launched | None) -> _Launched | None:
         """Schedule a step and queue its forward (and, with launch-ahead, its sampling when its
