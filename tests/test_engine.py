@@ -19,6 +19,7 @@ from pagedq.errors import (
     ModelNotFoundError,
     PromptTooLongError,
 )
+from pagedq.loader.tokenizer import IncrementalDetokenizer
 from tests.tiny_models import make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -277,6 +278,38 @@ def test_launch_ahead_gives_the_results_of_one_step_at_a_time(
         if num_blocks == 9:
             assert llm.stats()["preemptions"] > 0
     assert got[True] == got[False]
+
+
+def test_results_decode_their_text_once_and_match_the_stream(tiny: Path) -> None:
+    """`generate` (finished-only steps) decodes a completion's text once, when it ends; the
+    text is the one a stream builds token by token, and the one `decode` gives."""
+    llm = LLM(str(tiny), device="cpu", num_blocks=128)
+    prompts = shared_prefix_prompts(6)
+    params = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True)
+    calls = []
+    add_many = IncrementalDetokenizer.add_many
+
+    def counted(self: IncrementalDetokenizer, ids: list[int]) -> str:
+        calls.append(len(ids))
+        return add_many(self, ids)
+
+    IncrementalDetokenizer.add_many = counted  # type: ignore[method-assign]
+    try:
+        results = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        IncrementalDetokenizer.add_many = add_many  # type: ignore[method-assign]
+    assert calls == [15] * 6
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    streamed: dict[str, str] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.outputs[0].text.startswith(streamed.get(out.request_id, ""))
+            streamed[out.request_id] = out.outputs[0].text
+    for i, result in enumerate(results):
+        text = result.outputs[0].text
+        assert text == streamed[str(i)] == llm.tokenizer.decode(result.outputs[0].token_ids)
 
 
 def test_launch_ahead_streams_aborts_and_adds(tiny: Path) -> None:

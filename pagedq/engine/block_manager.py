@@ -248,9 +248,10 @@ class BlockManager:
             return
         if num_tokens is None:
             num_tokens = seq.num_computed_tokens
-        num_full = min(num_tokens, seq.num_known_tokens) // self.block_size  # values to hash
+        num_full = num_tokens // self.block_size
         if num_full <= seq.num_hashed_blocks:
             return  # no block filled since the last call (most decode steps)
+        num_full = min(num_full, seq.num_known_tokens // self.block_size)  # values to hash
         self._extend_hashes(seq, num_full, extra_key)
         for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]

@@ -7,8 +7,8 @@ Launch-ahead (on by default on CUDA) keeps the GPU from waiting for the host. A 
 the next one before its own tokens reach the host: the next step is scheduled as if every
 running sequence had its new token, a PENDING_TOKEN on the host that the forward reads from the
 device. Then the host reads the tokens (they replace the placeholders), applies the stop
-conditions, decodes the text and builds the outputs while the GPU runs. A sequence that stops
-computes one more token, thrown away. A step whose rows read the token history (penalties) or
+conditions and builds the outputs, decoding their text, while the GPU runs. A sequence that
+stops computes one more token, thrown away. A step whose rows read the token history (penalties) or
 fork (the first token of n > 1) samples when the next call reads it, and the step after it is
 launched once its tokens are appended. For callers: a request added between two calls joins
 one step later, and an aborted request's row of the step already launched is dropped. Greedy
@@ -254,13 +254,13 @@ class Engine:
             rows = self._sample_and_update(launched.out, launched.logits)
         if self.launch_ahead and not tried and self.scheduler.has_unfinished():
             self._launched = self._try_launch(None)
-        touched: dict[str, _Request] = {}
-        for seq in rows:
-            self._decode_text(seq)
-            touched[seq.request_id] = self._requests[seq.request_id]
-        outputs = [
-            self._finish_output(r) for r in touched.values() if r.finished or not finished_only
-        ]
+        touched = {seq.request_id: self._requests[seq.request_id] for seq in rows}
+        outputs = []
+        for req in touched.values():
+            if req.finished or not finished_only:  # text is decoded when an output needs it
+                for seq in req.seqs:
+                    self._decode_text(seq)
+                outputs.append(self._finish_output(req))
         if not self._requests:  # a step launched ahead holds only rows that stopped since
             self._launched = None
         return outputs
@@ -392,8 +392,8 @@ class Engine:
         self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None
     ) -> None:
         """Append a sampled token and apply the stop conditions. Its text follows in
-        `_decode_text`: here for requests with stop strings, else once the next step is
-        launched."""
+        `_decode_text`: here for requests with stop strings, else when an output is built
+        (every step when streaming; with `finished_only`, once, when the request ends)."""
         req = self._requests[seq.request_id]
         if seq.token_ids[-1] == PENDING_TOKEN:  # the next step already reads it on the device
             seq.token_ids[-1] = token
@@ -409,8 +409,9 @@ class Engine:
             self.scheduler.finish(seq, reason)
 
     def _decode_text(self, seq: Sequence) -> int:
-        """Detokenize the output tokens of `seq` not decoded yet, and at its end what is held
-        back (unless a stop string cut the text); returns the length of the new text."""
+        """Detokenize the output tokens of `seq` not decoded yet (in one window: the same text
+        as token by token), and at its end what is held back (unless a stop string cut the
+        text); returns the length of the new text."""
         detok: IncrementalDetokenizer = seq.extra["detok"]
         new = seq.token_ids[seq.num_prompt_tokens + detok.num_tokens :]
         delta = detok.add_many(new) if new else ""
