@@ -77,18 +77,12 @@ constexpr int kMaxSharers = 4;
 __host__ __device__ inline int max_sharers(int m, int num_blocks) {
   return m == 1 && num_blocks > 32 ? kMaxSharers + 1 : kMaxSharers;
 }
-// Ring slots per warp, in blocks. Activations: 3 up to 8 tokens (H200: 4 was no faster and fits
-// 2 CTAs/SM, not 3); 2 for 16 tokens, whose slots hold twice the activations (with 3, one CTA per
-// SM: M=16 stack 3.11 ms, with 2: 2.49; 2 for 8 tokens was slower: 1.85 vs 1.76).
+// Ring slots per warp: 3 up to 8 tokens (H200: 4 was no faster and fits 2 CTAs/SM, not 3); 2 for
+// 16 tokens, whose slots hold twice the activations: with 3, one CTA per SM (M=16 stack 3.11 ms,
+// with 2: 2.49; 2 for 8 tokens was slower: 1.85 vs 1.76).
 template <int TOK>
-__host__ __device__ constexpr int x_stages() {
+__host__ __device__ constexpr int stages() {
   return TOK > 8 ? 2 : 3;
-}
-// Weights (from DRAM) may run deeper than the activations (from L2): 16 tokens with block-wide
-// groups keep 3 weight slots beside their 2 activation slots and still fit 2 CTAs per SM.
-template <int TOK, bool PQ>
-__host__ __device__ constexpr int w_stages() {
-  return TOK > 8 && !PQ ? 3 : x_stages<TOK>();
 }
 
 template <typename T>
@@ -178,22 +172,17 @@ struct Stage {
   uint2 zero[2][kQ];   // the 4 columns' z' (unused without zeros)
 };
 
-// One warp's ring slots for one block: the weight slot (words, scales, zeros) and the activation
-// slot. Word row r sits at word_offset(r), so the 16-byte reads of the 8 lanes of a
-// shared-memory phase hit distinct banks; x and params are lane-interleaved. Both sizes are
-// multiples of 128 bytes, so every slot of a ring starts on the same bank.
-template <bool PQ>
-struct WSlot {
-  static constexpr int kQ = PQ ? 4 : 1;  // scale rows per block
-  static constexpr int kWordBytes = 16 * 256 + 3 * 32 + 32;
-  alignas(16) unsigned char words[kWordBytes];
-  uint2 params[4 * kQ][32];  // scale[h][q] at 2 (h kQ + q), zero at 2 (h kQ + q) + 1
-};
-template <int TOK>
-struct XSlot {
+// One warp's ring slot for one block. Word row r sits at word_offset(r), so the 16-byte reads of
+// the 8 lanes of a shared-memory phase hit distinct banks; x and params are lane-interleaved.
+template <int TOK, bool PQ>
+struct Slot {
   static constexpr int kMT = TOK > 8 ? 2 : 1;     // 8-token tiles
   static constexpr int kTPT = TOK < 8 ? TOK : 8;  // tokens per tile: lanes g < kTPT hold x
-  uint4 x[4 * kMT][4 * kTPT];                     // lane g * 4 + t (g < kTPT)
+  static constexpr int kQ = Stage<kMT, PQ>::kQ;
+  static constexpr int kWordBytes = 16 * 256 + 3 * 32 + 32;
+  alignas(16) unsigned char words[kWordBytes];
+  uint4 x[4 * kMT][4 * kTPT];  // lane g * 4 + t (g < kTPT)
+  uint2 params[4 * kQ][32];    // scale[h][q] at 2 (h kQ + q), zero at 2 (h kQ + q) + 1
 };
 
 // Rows 4t + j of the 4 t lanes of one phase land 32 bytes apart mod 128 bytes.
@@ -270,85 +259,81 @@ struct Feed {
   }
 };
 
-// Copy this lane's share of block f.b's weights, scales and zeros (Z) into `slot`.
-template <bool PQ, bool Z>
-__device__ inline void issue_weights(const Params& p, const Feed& f, WSlot<PQ>& slot) {
+// Copy this lane's share of block f.b into `slot`: weights, scales and zeros (Z), and/or x.
+template <int TOK, bool PQ, bool Z>
+__device__ inline void issue_slot(const Params& p, const Feed& f, Slot<TOK, PQ>& slot,
+                                  bool with_weights, bool with_x) {
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int64_t n = p.N;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const bool ok = f.col + 32 * h < p.N;  // N % 8 == 0: the 4 columns exist together
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      cp_async<16>(slot.words + word_offset(4 * t + j) + 16 * g + 128 * h, f.w + j * n + 32 * h,
-                   ok);
-    }
-  }
-#pragma unroll
-  for (int q = 0; q < WSlot<PQ>::kQ; ++q) {
-    const int64_t at = group_row(p, f.b, q) * n + f.col;
+  if (with_weights) {
+    const int64_t n = p.N;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const bool ok = f.col + 32 * h < p.N;
-      const int e = 2 * (h * WSlot<PQ>::kQ + q);
-      cp_async<8>(&slot.params[e][lane], static_cast<const uint16_t*>(p.scales) + at + 32 * h, ok);
-      if constexpr (Z) {
-        cp_async<8>(&slot.params[e + 1][lane], static_cast<const uint16_t*>(p.zeros) + at + 32 * h,
+      const bool ok = f.col + 32 * h < p.N;  // N % 8 == 0: the 4 columns exist together
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        cp_async<16>(slot.words + word_offset(4 * t + j) + 16 * g + 128 * h,
+                     f.w + j * n + 32 * h, ok);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < Slot<TOK, PQ>::kQ; ++q) {
+      const int64_t at = group_row(p, f.b, q) * n + f.col;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const bool ok = f.col + 32 * h < p.N;
+        const int e = 2 * (h * Slot<TOK, PQ>::kQ + q);
+        cp_async<8>(&slot.params[e][lane], static_cast<const uint16_t*>(p.scales) + at + 32 * h,
                     ok);
+        if constexpr (Z) {
+          cp_async<8>(&slot.params[e + 1][lane],
+                      static_cast<const uint16_t*>(p.zeros) + at + 32 * h, ok);
+        }
+      }
+    }
+  }
+  if (with_x && g < Slot<TOK, PQ>::kTPT) {
+    const int k0 = f.b * kBlockK + 8 * t;
+#pragma unroll
+    for (int tt = 0; tt < Slot<TOK, PQ>::kMT; ++tt) {
+      const int m = 8 * tt + g;
+      const uint16_t* row = tt == 0 ? f.x : f.x + (m < p.M ? 8 * p.x_stride : 0);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const bool valid = m < p.M && k0 + 32 * q < p.K;  // K % 8 == 0: 8 rows exist together
+        cp_async<16>(&slot.x[4 * tt + q][lane], row + 32 * q, valid);  // not read if !valid
       }
     }
   }
 }
 
-// Copy this lane's share of the activations of block f.b - kLag * kWarps (the block kLag ring
-// steps behind the feed's) into `slot`.
-template <int TOK, int kLag>
-__device__ inline void issue_x(const Params& p, const Feed& f, XSlot<TOK>& slot) {
-  const int lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  if (g >= XSlot<TOK>::kTPT) return;
-  const int k0 = (f.b - kLag * kWarps) * kBlockK + 8 * t;
-  const uint16_t* x = f.x - kLag * kWarps * kBlockK;
-#pragma unroll
-  for (int tt = 0; tt < XSlot<TOK>::kMT; ++tt) {
-    const int m = 8 * tt + g;
-    const uint16_t* row = tt == 0 ? x : x + (m < p.M ? 8 * p.x_stride : 0);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const bool valid = m < p.M && k0 + 32 * q < p.K;  // K % 8 == 0: 8 rows exist together
-      cp_async<16>(&slot.x[4 * tt + q][lane], row + 32 * q, valid);  // not read if !valid
-    }
-  }
-}
-
 template <int TOK, bool PQ, bool Z>
-__device__ inline void read_slot(const WSlot<PQ>& ws, const XSlot<TOK>& xs,
-                                 Stage<XSlot<TOK>::kMT, PQ>& s) {
+__device__ inline void read_slot(const Params& p, const Slot<TOK, PQ>& slot,
+                                 Stage<Slot<TOK, PQ>::kMT, PQ>& s) {
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      s.words[j][h] =
-          *reinterpret_cast<const uint4*>(ws.words + word_offset(4 * t + j) + 16 * g + 128 * h);
+      s.words[j][h] = *reinterpret_cast<const uint4*>(slot.words + word_offset(4 * t + j) +
+                                                      16 * g + 128 * h);
     }
   }
 #pragma unroll
-  for (int tt = 0; tt < XSlot<TOK>::kMT; ++tt) {
+  for (int tt = 0; tt < Slot<TOK, PQ>::kMT; ++tt) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      s.x[tt][q] = g < XSlot<TOK>::kTPT ? xs.x[4 * tt + q][lane] : make_uint4(0, 0, 0, 0);
+      s.x[tt][q] = g < Slot<TOK, PQ>::kTPT ? slot.x[4 * tt + q][lane] : make_uint4(0, 0, 0, 0);
     }
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
-    for (int q = 0; q < WSlot<PQ>::kQ; ++q) {
-      const int e = 2 * (h * WSlot<PQ>::kQ + q);
-      s.scale[h][q] = ws.params[e][lane];
-      s.zero[h][q] = Z ? ws.params[e + 1][lane] : make_uint2(0, 0);
+    for (int q = 0; q < Stage<Slot<TOK, PQ>::kMT, PQ>::kQ; ++q) {
+      const int e = 2 * (h * Slot<TOK, PQ>::kQ + q);
+      s.scale[h][q] = slot.params[e][lane];
+      s.zero[h][q] = Z ? slot.params[e + 1][lane] : make_uint2(0, 0);
     }
   }
 }
@@ -677,48 +662,29 @@ __host__ __device__ inline Segment segment_at(const Params& p, int64_t item, int
   return s;
 }
 
-// One warp's rings: its weight slots, then its activation slots.
-template <int TOK, bool PQ>
-__host__ __device__ constexpr size_t ring_bytes() {
-  return sizeof(WSlot<PQ>) * w_stages<TOK, PQ>() + sizeof(XSlot<TOK>) * x_stages<TOK>();
-}
-// Dynamic shared memory of one CTA: each warp's rings, then the reduction planes.
+// Dynamic shared memory of one CTA: each warp's ring, then the reduction planes.
 template <int TOK, bool PQ>
 constexpr size_t smem_bytes() {
-  return ring_bytes<TOK, PQ>() * kWarps + sizeof(float) * kWarps * 8 * XSlot<TOK>::kMT * kRedStride;
+  return sizeof(Slot<TOK, PQ>) * stages<TOK>() * kWarps +
+         sizeof(float) * kWarps * 8 * Slot<TOK, PQ>::kMT * kRedStride;
 }
 // One token with block-wide groups (M=1 decode of g128 / g-1 checkpoints) fits 3 CTAs per SM on
 // the H200: 228 KB of shared memory per SM, 1 KB of it reserved per CTA. A few more bytes per CTA
 // would leave 2 (a third fewer weights in flight), and the ring depth and the sharer cap were
-// tuned at 3. 16 tokens with block-wide groups fit 2.
+// tuned at 3.
 static_assert(3 * (smem_bytes<1, false>() + 1024) <= 228 * 1024, "M=1 no longer fits 3 CTAs/SM");
-static_assert(2 * (smem_bytes<16, false>() + 1024) <= 228 * 1024, "M=16 no longer fits 2 CTAs/SM");
-
-__device__ inline int next_slot(int slot, int slots) { return slot + 1 == slots ? 0 : slot + 1; }
 
 // The kernel for one zero-point mode (Z: zeros given).
-//
-// Ring steps. Step i of a segment copies the weights of block i + kW - 1 and the activations of
-// block i + kX - 1 (kW >= kX ring slots), each into the slot read at step i - 1; the first kW - 1
-// steps come before the loop. With equal depths a step is one cp.async group; with deeper weights
-// it is two, the activations' group first, so that waiting for block i's activations does not
-// wait for the weights copied in the same step.
 template <typename T, int TOK, bool PQ, bool Z>
 __device__ inline void gemv_body(const Params& p) {
-  constexpr int MT = XSlot<TOK>::kMT;
-  constexpr int kW = w_stages<TOK, PQ>(), kX = x_stages<TOK>();
-  constexpr int kLag = kW - kX;  // ring steps by which the activation copies trail the weights'
-  static_assert(kX >= 2 && kLag >= 0, "the activations need a slot in flight; weights lead");
-  // groups allowed in flight when block i is read: everything up to block i's activation group
-  constexpr int kPending = kLag > 0 ? 2 * kX - 3 : kW - 2;
+  constexpr int MT = Slot<TOK, PQ>::kMT;
+  constexpr int kStages = stages<TOK>();
   // No static __shared__ variables: they are laid out ahead of this array. A 16-byte one cost the
   // M = 8 / 16 stacks 14% (H200: 1.403 vs 1.227 ms, 1.703 vs 1.482; gptq_w4a_2026-11-30x_notes).
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32;
-  unsigned char* rings = smem + warp * ring_bytes<TOK, PQ>();
-  WSlot<PQ>* wring = reinterpret_cast<WSlot<PQ>*>(rings);
-  XSlot<TOK>* xring = reinterpret_cast<XSlot<TOK>*>(rings + sizeof(WSlot<PQ>) * kW);
-  float* red = reinterpret_cast<float*>(smem + ring_bytes<TOK, PQ>() * kWarps);
+  Slot<TOK, PQ>* ring = reinterpret_cast<Slot<TOK, PQ>*>(smem) + warp * kStages;
+  float* red = reinterpret_cast<float*>(smem + sizeof(Slot<TOK, PQ>) * kStages * kWarps);
   pdl_launch_dependents();
 
   const Split split = gemv_split(p, gridDim.x);
@@ -732,47 +698,39 @@ __device__ inline void gemv_body(const Params& p) {
   {
     Feed f = feed;
 #pragma unroll
-    for (int i = 0; i < kW - 1; ++i) {
-      if (i < seg.count) issue_weights<PQ, Z>(p, f, wring[i]);
+    for (int i = 0; i < kStages - 1; ++i) {
+      if (i < seg.count) issue_slot<TOK, PQ, Z>(p, f, ring[i], true, false);
       f.advance(p);
     }
   }
   pdl_wait();  // x is the previous kernel's output; out and the workspace may be its inputs
-  // ring slots of the next copy and the next read
-  int wfill = seg.count < kW - 1 ? seg.count : kW - 1, xfill = 0, wread = 0, xread = 0;
+  int fill = 0, read = 0;  // ring slots of the next copy and the next read
 #pragma unroll
-  for (int i = 0; i < kW - 1; ++i) {
-    if (i < kX - 1 && i < seg.count) {
-      issue_x<TOK, 0>(p, feed, xring[xfill]);
-      xfill = next_slot(xfill, kX);
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < seg.count) {
+      issue_slot<TOK, PQ, Z>(p, feed, ring[i], false, true);
+      fill = i + 1;
     }
     feed.advance(p);
-    cp_async_commit();  // the step's groups, empty ones too: the waits count groups
-    if constexpr (kLag > 0) cp_async_commit();
+    cp_async_commit();  // one group per ring step, empty ones too: the waits count groups
   }
 
   while (true) {
     float acc[MT][4][4] = {};
     for (int i = 0; i < seg.count; ++i) {
-      cp_async_wait<kPending>();  // block i has landed
+      cp_async_wait<kStages - 2>();  // block i has landed
       Stage<MT, PQ> cur;
-      read_slot<TOK, PQ, Z>(wring[wread], xring[xread], cur);
-      wread = next_slot(wread, kW);
-      xread = next_slot(xread, kX);
-      if (i + kX - 1 < seg.count) {  // the feed is at block i + kW - 1
-        issue_x<TOK, kLag>(p, feed, xring[xfill]);
-        xfill = next_slot(xfill, kX);
+      read_slot<TOK, PQ, Z>(p, ring[read], cur);
+      read = read + 1 == kStages ? 0 : read + 1;
+      if (i + kStages - 1 < seg.count) {  // refill the slot read in the previous step
+        issue_slot<TOK, PQ, Z>(p, feed, ring[fill], true, true);
+        feed.advance(p);
+        fill = fill + 1 == kStages ? 0 : fill + 1;
       }
-      if constexpr (kLag > 0) cp_async_commit();
-      if (i + kW - 1 < seg.count) {
-        issue_weights<PQ, Z>(p, feed, wring[wfill]);
-        wfill = next_slot(wfill, kW);
-      }
-      feed.advance(p);
       cp_async_commit();
       compute<T, MT, PQ, Z>(cur, acc);
     }
-    // --- start the next segment's copies (the rings are drained), then flush this one
+    // --- start the next segment's copies (the ring is drained), then flush this one
     const Segment done = seg;
     const bool more = item < end;
     if (more) {
@@ -780,17 +738,12 @@ __device__ inline void gemv_body(const Params& p) {
       item += seg.b1 - seg.b0;
       feed = Feed::at(p, seg.tile, seg.block(0));
 #pragma unroll
-      for (int i = 0; i < kW - 1; ++i) {
-        if (i < kX - 1 && i < seg.count) {
-          issue_x<TOK, 0>(p, feed, xring[xfill]);
-          xfill = next_slot(xfill, kX);
-        }
-        if constexpr (kLag > 0) cp_async_commit();
+      for (int i = 0; i < kStages - 1; ++i) {
         if (i < seg.count) {
-          issue_weights<PQ, Z>(p, feed, wring[wfill]);
-          wfill = next_slot(wfill, kW);
+          issue_slot<TOK, PQ, Z>(p, feed, ring[fill], true, true);
+          feed.advance(p);
+          fill = fill + 1 == kStages ? 0 : fill + 1;
         }
-        feed.advance(p);
         cp_async_commit();
       }
     }
