@@ -209,10 +209,17 @@ class Engine:
         seq.extra["text"] = ""
         seq.extra["logprobs"] = [] if req.params.logprobs is not None else None
         seq.extra["cum_logprob"] = 0.0
+        gen = None
         if req.params.seed is not None:
             gen = torch.Generator(device=self.resolved.device)
             gen.manual_seed((req.params.seed + index) & 0xFFFFFFFFFFFF)
-            seq.extra["generator"] = gen
+        seq.extra["row"] = SamplingRow(
+            params=req.params,
+            token_ids=seq.token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            generator=gen,
+            stop_token_ids=req.stop_ids,
+        )
         req.seqs.append(seq)
         return seq
 
@@ -254,7 +261,12 @@ class Engine:
             rows = self._sample_and_update(launched.out, launched.logits)
         if self.launch_ahead and not tried and self.scheduler.has_unfinished():
             self._launched = self._try_launch(None)
-        touched = {seq.request_id: self._requests[seq.request_id] for seq in rows}
+        # a request can only have finished in this step through a row that did
+        touched = {
+            seq.request_id: self._requests[seq.request_id]
+            for seq in rows
+            if seq.is_finished or not finished_only
+        }
         outputs = []
         for req in touched.values():
             if req.finished or not finished_only:  # text is decoded when an output needs it
@@ -378,15 +390,11 @@ class Engine:
             children.append(child)
         return children
 
-    def _row(self, seq: Sequence) -> SamplingRow:
-        req = self._requests[seq.request_id]
-        return SamplingRow(
-            params=req.params,
-            token_ids=seq.token_ids,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            generator=seq.extra.get("generator"),
-            stop_token_ids=req.stop_ids,
-        )
+    @staticmethod
+    def _row(seq: Sequence) -> SamplingRow:
+        """What the sampler reads of `seq`: made once (it reads the token list in place)."""
+        row: SamplingRow = seq.extra["row"]
+        return row
 
     def _append(
         self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None
