@@ -309,8 +309,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one token; return the new text it completes (may be "")."""
-        self._ids.append(int(token_id))  # plain ints: windows decode without conversion
-        return self._emit(hold_back=True)
+        return self.add_many([int(token_id)])  # plain ints: windows decode without conversion
 
     def add_many(self, token_ids: Sequence[int]) -> str:
         """Append tokens (plain ints); return the new text they complete (one window decode)."""
