@@ -50,6 +50,8 @@ def _rms_norm_kernel(
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
+    # every load goes out before the first store (loads are not moved past stores)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
 
     # -- the row, plus the residual stream (stored back rounded) ---------------------------
     x = tl.load(x_ptr + token * stride_xt + offs, mask=mask, other=0.0)
@@ -62,7 +64,6 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / HIDDEN + eps)
     normed = (x32 * rstd).to(x.dtype)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     y = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + token * HIDDEN + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 

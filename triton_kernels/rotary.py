@@ -31,16 +31,10 @@ from triton_kernels.pdl import early_launch, launch_options
 
 
 @triton.jit
-def _rotate_heads(x_ptr, row, stride_h, cos, sin, offs_h, offs_d, mask, HALF: tl.constexpr):
-    """Rotate the [heads, head_dim] row at x_ptr + row in place; returns the two halves."""
-    at = x_ptr + row + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(at, mask=mask, other=0.0)
-    x2 = tl.load(at + HALF, mask=mask, other=0.0)
+def _rotate(x1, x2, cos, sin):
+    """The two halves of a [heads, head_dim] row rotated, in fp32 with one rounding."""
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    r1, r2 = (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
-    tl.store(at, r1, mask=mask)
-    tl.store(at + HALF, r2, mask=mask)
-    return r1, r2
+    return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
 
 
 @triton.jit
@@ -78,36 +72,44 @@ def _rotary_kernel(
         gdc_launch_dependents()
         gdc_wait()  # nothing is read or written before the previous kernel is done
     token = tl.program_id(0).to(tl.int64)
-
-    # -- the token's angles: cos and sin rounded to q's dtype -------------------------------
     offs_d = tl.arange(0, HALF_PAD)
-    inv = tl.load(inv_freq_ptr + offs_d, mask=offs_d < HALF, other=0.0)
-    angle = tl.load(positions_ptr + token).to(tl.float32) * inv
-    dtype = q_ptr.dtype.element_ty
-    cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
-    sin = tl.sin(angle).to(dtype).to(tl.float32)[None, :]
-
-    # -- rotate every head of q, then of k -------------------------------------------------
     offs_h = tl.arange(0, H_PAD)
     d_ok = offs_d[None, :] < HALF
     q_mask = (offs_h[:, None] < NUM_HEADS) & d_ok
-    _rotate_heads(q_ptr, token * stride_qt, stride_qh, cos, sin, offs_h, offs_d, q_mask, HALF)
     k_mask = (offs_h[:, None] < NUM_KV_HEADS) & d_ok
-    k1, k2 = _rotate_heads(
-        k_ptr, token * stride_kt, stride_kh, cos, sin, offs_h, offs_d, k_mask, HALF
-    )
+
+    # -- every load before the first store (loads are not moved past stores) ---------------
+    inv = tl.load(inv_freq_ptr + offs_d, mask=offs_d < HALF, other=0.0)
+    angle = tl.load(positions_ptr + token).to(tl.float32) * inv
+    q_at = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    k_at = k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    q1, q2 = tl.load(q_at, mask=q_mask, other=0.0), tl.load(q_at + HALF, mask=q_mask, other=0.0)
+    k1, k2 = tl.load(k_at, mask=k_mask, other=0.0), tl.load(k_at + HALF, mask=k_mask, other=0.0)
+    if CACHE:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        v_at = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+        v1, v2 = tl.load(v_at, mask=k_mask), tl.load(v_at + HALF, mask=k_mask)
+
+    # -- the token's angles: cos and sin rounded to q's dtype; q and k rotated in place ------
+    dtype = q_ptr.dtype.element_ty
+    cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
+    sin = tl.sin(angle).to(dtype).to(tl.float32)[None, :]
+    q1, q2 = _rotate(q1, q2, cos, sin)
+    tl.store(q_at, q1, mask=q_mask)
+    tl.store(q_at + HALF, q2, mask=q_mask)
+    k1, k2 = _rotate(k1, k2, cos, sin)
+    tl.store(k_at, k1, mask=k_mask)
+    tl.store(k_at + HALF, k2, mask=k_mask)
 
     # -- the rotated k row and the v row into page block_id, row offset ---------------------
     if CACHE:
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-        if slot >= 0:
-            at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
-            dst = at + offs_h[:, None] * stride_ch + offs_d[None, :]
-            tl.store(k_cache_ptr + dst, k1, mask=k_mask)
-            tl.store(k_cache_ptr + dst + HALF, k2, mask=k_mask)
-            src = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-            tl.store(v_cache_ptr + dst, tl.load(src, mask=k_mask), mask=k_mask)
-            tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=k_mask), mask=k_mask)
+        ok = k_mask & (slot >= 0)  # a negative slot writes nothing
+        at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+        dst = at + offs_h[:, None] * stride_ch + offs_d[None, :]
+        tl.store(k_cache_ptr + dst, k1, mask=ok)
+        tl.store(k_cache_ptr + dst + HALF, k2, mask=ok)
+        tl.store(v_cache_ptr + dst, v1, mask=ok)
+        tl.store(v_cache_ptr + dst + HALF, v2, mask=ok)
 
 
 @functools.lru_cache(maxsize=64)
