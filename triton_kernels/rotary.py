@@ -102,14 +102,14 @@ def _rotary_kernel(
     tl.store(k_at + HALF, k2, mask=k_mask)
 
     # -- the rotated k row and the v row into page block_id, row offset ---------------------
-    if CACHE:
-        ok = k_mask & (slot >= 0)  # a negative slot writes nothing
-        at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
-        dst = at + offs_h[:, None] * stride_ch + offs_d[None, :]
-        tl.store(k_cache_ptr + dst, k1, mask=ok)
-        tl.store(k_cache_ptr + dst + HALF, k2, mask=ok)
-        tl.store(v_cache_ptr + dst, v1, mask=ok)
-        tl.store(v_cache_ptr + dst + HALF, v2, mask=ok)
+    if CACHE:  # noqa: SIM102 (slot exists only under the constexpr branch)
+        if slot >= 0:  # a negative slot (a padding row) writes nothing
+            at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+            dst = at + offs_h[:, None] * stride_ch + offs_d[None, :]
+            tl.store(k_cache_ptr + dst, k1, mask=k_mask)
+            tl.store(k_cache_ptr + dst + HALF, k2, mask=k_mask)
+            tl.store(v_cache_ptr + dst, v1, mask=k_mask)
+            tl.store(v_cache_ptr + dst + HALF, v2, mask=k_mask)
 
 
 @functools.lru_cache(maxsize=64)
