@@ -420,6 +420,27 @@ def test_split_plan_follows_the_h200_sweep() -> None:
     assert 2 <= choose_splits(64, 8, 3328, 128, 132)[0] <= 8  # B=64, mean 2191
 
 
+def test_short_bounds_with_many_programs_take_small_tiles() -> None:
+    """The 2026-12-01 sweep (132 SMs, 32 KV heads, bound 256): many programs with short
+    contexts need tiles small enough for several programs per SM; long bounds keep the tiles
+    of the W4b sweeps."""
+    from triton_kernels.paged_decode import DecodeConfig, decode_plan
+
+    def plan(num_seqs: int, kv_heads: int, bound: int):
+        return decode_plan(num_seqs, 32, kv_heads, 128, 16, torch.float16, bound, None, None, 132)
+
+    def tiles(num_seqs: int, kv_heads: int, bound: int) -> tuple[int, int, int]:
+        c = plan(num_seqs, kv_heads, bound).constants
+        return c["BLOCK_N"], c["num_warps"], c["num_stages"]
+
+    assert plan(64, 32, 256).grid == (64, 32, 1)  # W2, B=64: one split
+    assert tiles(64, 32, 256) == (32, 1, 3)
+    assert tiles(16, 32, 256) == (64, 2, 3)
+    assert tiles(256, 8, 1536) == (128, 4, 2)  # W4b, B=256, mean 1001
+    assert plan(1, 32, 256).num_splits > 1  # few programs still split
+    assert DecodeConfig() == DecodeConfig(block_n=128, num_warps=4, num_stages=3)
+
+
 def test_split_plan_fills_the_sms_of_small_batches() -> None:
     from triton_kernels.paged_decode import choose_splits
 

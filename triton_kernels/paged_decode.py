@@ -58,6 +58,7 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 SMEM_BUDGET = 128 * 1024  # shared memory for the K/V stages of a fallback config
 BOUND_BUCKET = 128  # length bounds are rounded up to this, so consecutive steps share a plan
+SHORT_BOUND = 256  # tokens: bounds up to this take small tiles when the grid is large
 # Split cost model, in units of "one token of one KV head streamed by one SM", fitted to
 # the 2026-11-29 H200 sweep (bench/results/attention_20261129-215357.json):
 PROGRAM_COST_TOKENS = 48  # fixed cost of one more program: q load, pipeline fill, merge
@@ -87,13 +88,29 @@ def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> Decode
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2)
 
 
-def _single_split_config(cfg: DecodeConfig, programs: int, num_sms: int) -> DecodeConfig:
-    """The default tiles adjusted for a one-split grid of `programs` programs, from the H200
-    sweeps of 2026-11-29/30 (two runs agree): with few programs per SM, 64-token tiles
-    (B=64 x 8 kv heads, mean 559: 53.9 vs 55.7 us); with many, two pipeline stages, which
-    leave room for more resident programs (B=256 x 8, mean 1001: 268.0 vs 270.7-271.1 us)."""
+def _single_split_config(
+    cfg: DecodeConfig, programs: int, num_sms: int, bound: int
+) -> DecodeConfig:
+    """The default tiles adjusted for a one-split grid of `programs` programs.
+
+    Short bounds (<= SHORT_BOUND tokens, at most two default tiles per program) take small
+    tiles, so that many programs fit on an SM at once: their 128-token tiles in 2-3 stages
+    take 128-192 KB of shared memory and leave one program per SM, which then runs in waves
+    of about 2 us each. H200 sweep of 2026-12-01 (32 chained launches, 32/32 heads, page 16,
+    bound 256; bench/results/engine_2026-12-01b_notes.md): with >= 6 programs per SM,
+    32-token tiles and one warp (B=64, 136 tokens: 40.6 vs 54.6 us; 24 tokens: 11.4 vs 28.1);
+    with >= 2, 64-token tiles and two warps (B=16, 136 tokens: 13.5 vs 14.1 us).
+
+    Longer bounds, from the sweeps of 2026-11-29/30 (two runs agree): with few programs per
+    SM, 64-token tiles (B=64 x 8 kv heads, mean 559: 53.9 vs 55.7 us); with many, two
+    pipeline stages, which leave room for more resident programs (B=256 x 8, mean 1001: 268.0
+    vs 270.7-271.1 us)."""
     if cfg != DecodeConfig(block_n=128, num_warps=4, num_stages=3):
         return cfg
+    if bound <= SHORT_BOUND and programs >= 6 * num_sms:
+        return DecodeConfig(block_n=32, num_warps=1, num_stages=3)
+    if bound <= SHORT_BOUND and programs >= 2 * num_sms:
+        return DecodeConfig(block_n=64, num_warps=2, num_stages=3)
     if programs <= 4 * num_sms:
         return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
     if programs >= 8 * num_sms:
@@ -159,7 +176,7 @@ def decode_plan(
     if num_splits is None:
         splits, chunk = choose_splits(num_seqs, num_kv_heads, bound, align, num_sms)
         if config is None and splits == 1:
-            cfg = _single_split_config(cfg, num_seqs * num_kv_heads, num_sms)
+            cfg = _single_split_config(cfg, num_seqs * num_kv_heads, num_sms, bound)
             chunk = _round_up(bound, math.lcm(cfg.block_n, block_size))
     else:
         chunk = _round_up(_cdiv(bound, num_splits), align)
