@@ -424,9 +424,9 @@ def test_short_bounds_with_many_programs_take_small_tiles() -> None:
     """The 2026-12-01 sweep (132 SMs, 32 KV heads, bound 256): many programs with short
     contexts need tiles small enough for several programs per SM; long bounds keep the tiles
     of the W4b sweeps."""
-    from triton_kernels.paged_decode import DecodeConfig, decode_plan
+    from triton_kernels.paged_decode import DecodeConfig, DecodePlan, decode_plan
 
-    def plan(num_seqs: int, kv_heads: int, bound: int):
+    def plan(num_seqs: int, kv_heads: int, bound: int) -> DecodePlan:
         return decode_plan(num_seqs, 32, kv_heads, 128, 16, torch.float16, bound, None, None, 132)
 
     def tiles(num_seqs: int, kv_heads: int, bound: int) -> tuple[int, int, int]:

@@ -95,8 +95,8 @@ def _single_split_config(
 
     Short bounds (<= SHORT_BOUND tokens, at most two default tiles per program) take small
     tiles, so that many programs fit on an SM at once: their 128-token tiles in 2-3 stages
-    take 128-192 KB of shared memory and leave one program per SM, which then runs in waves
-    of about 2 us each. H200 sweep of 2026-12-01 (32 chained launches, 32/32 heads, page 16,
+    take 128-192 KB of shared memory and leave one program per SM, and the grid then runs in
+    waves of about 2 us each. H200 sweep of 2026-12-01 (32 chained launches, 32/32 heads, page 16,
     bound 256; bench/results/engine_2026-12-01b_notes.md): with >= 6 programs per SM,
     32-token tiles and one warp (B=64, 136 tokens: 40.6 vs 54.6 us; 24 tokens: 11.4 vs 28.1);
     with >= 2, 64-token tiles and two warps (B=16, 136 tokens: 13.5 vs 14.1 us).
