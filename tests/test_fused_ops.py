@@ -139,36 +139,6 @@ def test_silu_mul(backend, dtype: torch.dtype, inter: int) -> None:
     torch.testing.assert_close(out, fused.silu_mul(x), **TOL[dtype])
 
 
-def test_rows_per_program_packs_mid_sized_batches() -> None:
-    from triton_kernels.pdl import MAX_ROWS, SMALL_GRID, rows_per_program
-
-    assert [rows_per_program(n) for n in (1, 16, 31)] == [1, 1, 1]  # GEMV batches
-    assert rows_per_program(64) == 64 // SMALL_GRID
-    assert rows_per_program(512) == MAX_ROWS
-    assert rows_per_program(513) == rows_per_program(9216) == 1  # prefill: every SM
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens", [33, 64, 200])
-def test_several_rows_per_program_match_the_references(
-    backend, dtype: torch.dtype, tokens: int
-) -> None:
-    """Batches of 32..512 tokens run several rows per program, the last program partly
-    masked (33 and 200 are not multiples of the rows)."""
-    hidden, inter = 320, 1100
-    x, residual = randn(tokens, hidden, dtype=dtype), randn(tokens, hidden, dtype=dtype, seed=1)
-    weight = randn(hidden, dtype=dtype, seed=2)
-    gate_up = randn(tokens, 2 * inter, dtype=dtype, seed=3) * 3
-    backend("triton")
-    normed, total = fused.add_rms_norm(x, residual, weight, 1e-6)
-    act = fused.silu_mul(gate_up)
-    backend("torch")
-    ref_normed, ref_total = fused.add_rms_norm(x, residual, weight, 1e-6)
-    assert torch.equal(total, ref_total)
-    torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
-    torch.testing.assert_close(act, fused.silu_mul(gate_up), **TOL[dtype])
-
-
 def test_empty_batches(backend) -> None:
     backend("triton")
     x = randn(0, 64, dtype=torch.float32)

@@ -33,24 +33,3 @@ def early_launch(device: torch.device) -> bool:
 def launch_options(pdl: bool) -> dict[str, bool]:
     """The Triton launch options of a kernel launched as a dependent (none otherwise)."""
     return {"launch_pdl": True} if pdl else {}
-
-
-# Small kernels between two GPTQ GEMMs (batches of 32 to 512 tokens) run on about this many
-# programs. A wgmma GEMM CTA takes a whole SM, so the next GEMM, launched early, places a CTA on
-# an SM only once the small kernel's program there has left: H200, an RMSNorm between the W4a
-# stack's matmuls at M=64 cost 3.0 us per boundary over 64 programs and 0.3 us over one
-# (bench/results/engine_2026-12-01b_notes.md). 0 turns the packing off.
-SMALL_GRID = 16
-MAX_ROWS = 8  # rows per program at most
-
-
-def rows_per_program(num_tokens: int) -> int:
-    """Rows of a per-token kernel's program: a power of two that brings the grid near
-    SMALL_GRID for 32..512 tokens; 1 otherwise (decode batches of the GEMV, where the small
-    kernel runs beside the matmul's CTAs, and prefill, which needs every SM)."""
-    if SMALL_GRID <= 0 or not 2 * SMALL_GRID <= num_tokens <= 512:
-        return 1
-    rows = 1
-    while rows < MAX_ROWS and num_tokens > rows * SMALL_GRID:
-        rows *= 2
-    return rows

@@ -1,19 +1,16 @@
 """RMSNorm, optionally after adding the residual stream: y = x / rms(x) * weight.
 
-Algorithm: one program holds ROWS whole rows (hidden padded to a power of two): one row, or a
-few for batches of 32 to 512 tokens, so that the grid leaves the SMs to the next matmul
-(`pdl.rows_per_program`). With a residual, each row is first replaced by x + residual, rounded
-to the row dtype and stored as the new residual stream; the norm is taken of that rounded sum.
-The mean of squares is fp32; the normalised row is rounded to the row dtype before the weight
-product, as the reference does.
+Algorithm: one program per token holds its whole row (hidden padded to a power of two). With a
+residual, the row is first replaced by x + residual, rounded to the row dtype and stored as the
+new residual stream; the norm is taken of that rounded sum. The mean of squares is fp32; the
+normalised row is rounded to the row dtype before the weight product, as the reference does.
 
 Tensor layouts:
   x, residual         [num_tokens, hidden], last dim contiguous
   weight              [hidden]
   out, residual_out   [num_tokens, hidden], contiguous, written
 
-The op is bound by memory and launch latency; its tunables are the warp count and the rows
-per program.
+No tunables beyond the warp count: the op is bound by memory and launch latency.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from triton_kernels.pdl import early_launch, launch_options, rows_per_program
+from triton_kernels.pdl import early_launch, launch_options
 
 
 @triton.jit
@@ -37,7 +34,6 @@ def _rms_norm_kernel(
     out_ptr,
     residual_out_ptr,
     # sizes
-    num_tokens,
     eps,
     # strides
     stride_xt,
@@ -45,47 +41,38 @@ def _rms_norm_kernel(
     # constexprs
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a dependent (triton_kernels/pdl.py)
 ):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()  # nothing is read or written before the previous kernel is done
-    tokens = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    col_ok = offs < HIDDEN
-    mask = (tokens < num_tokens)[:, None] & col_ok[None, :]  # [ROWS, BLOCK]
+    mask = offs < HIDDEN
     # every load goes out before the first store (loads are not moved past stores)
-    w = tl.load(weight_ptr + offs, mask=col_ok, other=0.0)[None, :]
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
 
-    # -- the rows, plus the residual stream (stored back rounded) --------------------------
-    x = tl.load(x_ptr + tokens[:, None] * stride_xt + offs[None, :], mask=mask, other=0.0)
+    # -- the row, plus the residual stream (stored back rounded) ---------------------------
+    x = tl.load(x_ptr + token * stride_xt + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(
-            residual_ptr + tokens[:, None] * stride_rt + offs[None, :], mask=mask, other=0.0
-        )
+        r = tl.load(residual_ptr + token * stride_rt + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(residual_out_ptr + tokens[:, None] * HIDDEN + offs[None, :], x, mask=mask)
+        tl.store(residual_out_ptr + token * HIDDEN + offs, x, mask=mask)
 
     # -- normalise in fp32, round, then scale by the weight --------------------------------
     x32 = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=1) / HIDDEN + eps)  # [ROWS]
-    normed = (x32 * rstd[:, None]).to(x.dtype)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / HIDDEN + eps)
+    normed = (x32 * rstd).to(x.dtype)
     y = normed.to(tl.float32) * w.to(tl.float32)
-    out_at = out_ptr + tokens[:, None] * HIDDEN + offs[None, :]
-    tl.store(out_at, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + token * HIDDEN + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.lru_cache(maxsize=64)
-def _constants(hidden: int, has_residual: bool, rows: int) -> dict[str, int]:
+def _constants(hidden: int, has_residual: bool) -> dict[str, int]:
     block = triton.next_power_of_2(hidden)
-    size = block * rows
-    warps = 4 if size <= 2048 else 8 if size <= 8192 else 16
-    return {
-        "HIDDEN": hidden, "BLOCK": block, "ROWS": rows, "HAS_RESIDUAL": has_residual,
-        "num_warps": warps,
-    }  # fmt: skip
+    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    return {"HIDDEN": hidden, "BLOCK": block, "HAS_RESIDUAL": has_residual, "num_warps": warps}
 
 
 def launch(
@@ -101,10 +88,9 @@ def launch(
     if num_tokens == 0:
         return
     has_residual, pdl = residual is not None, early_launch(x.device)
-    rows = rows_per_program(num_tokens)
-    _rms_norm_kernel[(triton.cdiv(num_tokens, rows),)](
+    _rms_norm_kernel[(num_tokens,)](
         x, residual if has_residual else x, weight, out,
         residual_out if residual_out is not None else out,
-        num_tokens, eps, x.stride(0), residual.stride(0) if residual is not None else 0,
-        PDL=pdl, **_constants(hidden, has_residual, rows), **launch_options(pdl),
+        eps, x.stride(0), residual.stride(0) if residual is not None else 0,
+        PDL=pdl, **_constants(hidden, has_residual), **launch_options(pdl),
     )  # fmt: skip
