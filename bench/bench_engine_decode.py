@@ -37,51 +37,66 @@ TARGETS = {1: 800, 16: 6000, 64: 15000}  # targets.md W2, new tokens/s
 MODES = {"graphs": (True, True), "graphs, no launch-ahead": (True, False), "eager": (False, True)}
 
 
-def write_model(folder: Path) -> Path:
-    """The synthetic GPTQ checkpoint (skipped when the folder is complete)."""
+def write_model(
+    folder: Path,
+    *,
+    layers: int = LAYERS,
+    hidden: int = HIDDEN,
+    inter: int = INTER,
+    heads: int = HEADS,
+    gptq: bool = True,
+    device: str = "cuda",
+) -> Path:
+    """The synthetic checkpoint, GPTQ (the default: the Llama-2-7B shape) or fp16 (skipped when
+    the folder is complete)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     if (folder / "model.safetensors").is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     tensors: dict[str, torch.Tensor] = {}
 
     def dense(name: str, shape: tuple[int, ...], std: float) -> None:
-        t = torch.randn(shape, generator=g, device="cuda") * std
+        t = torch.randn(shape, generator=g, device=device) * std
         tensors[name] = t.half().cpu()
 
-    def quantized(name: str, k: int, n: int) -> None:
-        words = torch.randint(-(2**31), 2**31, (k // 8, n), generator=g, device="cuda")
+    def linear(name: str, k: int, n: int) -> None:
+        if not gptq:
+            dense(f"{name}.weight", (n, k), 0.02)
+            return
+        words = torch.randint(-(2**31), 2**31, (k // 8, n), generator=g, device=device)
         tensors[f"{name}.qweight"] = words.int().cpu()
         tensors[f"{name}.qzeros"] = torch.full((k // GROUP, n // 8), 0x77777777, dtype=torch.int32)
-        scales = torch.rand((k // GROUP, n), generator=g, device="cuda") * 0.002 + 0.001
+        scales = torch.rand((k // GROUP, n), generator=g, device=device) * 0.002 + 0.001
         tensors[f"{name}.scales"] = scales.half().cpu()
         tensors[f"{name}.g_idx"] = torch.arange(k, dtype=torch.int32) // GROUP
 
-    dense("model.embed_tokens.weight", (VOCAB, HIDDEN), 0.02)
-    dense("lm_head.weight", (VOCAB, HIDDEN), 0.02)
-    tensors["model.norm.weight"] = torch.ones(HIDDEN, dtype=torch.float16)
-    for i in range(LAYERS):
+    dense("model.embed_tokens.weight", (VOCAB, hidden), 0.02)
+    dense("lm_head.weight", (VOCAB, hidden), 0.02)
+    tensors["model.norm.weight"] = torch.ones(hidden, dtype=torch.float16)
+    for i in range(layers):
         p = f"model.layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            tensors[f"{p}{norm}.weight"] = torch.ones(HIDDEN, dtype=torch.float16)
+            tensors[f"{p}{norm}.weight"] = torch.ones(hidden, dtype=torch.float16)
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            quantized(f"{p}self_attn.{proj}", HIDDEN, HIDDEN)
+            linear(f"{p}self_attn.{proj}", hidden, hidden)
         for proj in ("gate_proj", "up_proj"):
-            quantized(f"{p}mlp.{proj}", HIDDEN, INTER)
-        quantized(f"{p}mlp.down_proj", INTER, HIDDEN)
-    quant = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
-             "sym": True, "checkpoint_format": "gptq"}  # fmt: skip
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-        "num_key_value_heads": HEADS, "vocab_size": VOCAB, "max_position_embeddings": 4096,
+            linear(f"{p}mlp.{proj}", hidden, inter)
+        linear(f"{p}mlp.down_proj", inter, hidden)
+    config: dict[str, object] = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": heads, "vocab_size": VOCAB, "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float16",
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-        "quantization_config": quant,
     }  # fmt: skip
+    if gptq:
+        config["quantization_config"] = {
+            "quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
+            "sym": True, "checkpoint_format": "gptq",
+        }  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))

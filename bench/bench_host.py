@@ -1,0 +1,159 @@
+"""Host time of a decode step at batch 256: scheduler, block manager and sampler (targets.md,
+"Overheads that must stay small": < 1 ms per step).
+
+Conditions: a one-layer fp16 Llama (hidden 64) with a 32,000-token vocabulary
+(bench_engine_decode's `write_model`), written once into --work. The engine's forward is
+replaced by a stub that returns fixed fp32 logits on the device, so a step is its host work
+plus the sampler's kernels. 256 prompts of 8 random tokens, 128 new tokens each, EOS ignored,
+all in one batch; steps run one at a time (launch-ahead off, so nothing hides the host). Two
+sampling settings: greedy, and temperature 0.8 with top-p 0.9 (seeded; --sampling greedy
+skips it). One untimed run, then --repeats timed runs of `LLM.generate`.
+
+Reported per decode step (the run's wall time over its 129 steps, the prefill step included):
+the wall time, and the time inside `Scheduler.schedule` + `commit` (the block manager's
+allocation and hashing included), inside the sampler (its kernels' launches, the wait for
+them and the copy of the tokens to the host), and the rest (the engine's appends, stop
+checks and outputs). On a CPU device the sampler's time is its math, not host work.
+
+Run (about a minute on the H200; on a CPU, top-p takes minutes):
+    PYTHONPATH=. python3 bench/bench_host.py --out bench/results [--device cpu --sampling greedy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.bench_engine_decode import VOCAB, write_model
+from pagedq import LLM, SamplingParams
+
+BATCH, PROMPT_TOKENS, NEW_TOKENS = 256, 8, 128
+TARGET_MS = 1.0
+SETTINGS = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+    "top-p 0.9, T 0.8": SamplingParams(
+        temperature=0.8, top_p=0.9, max_tokens=NEW_TOKENS, ignore_eos=True, seed=0
+    ),
+}
+
+
+class Clock:
+    """Seconds spent inside wrapped callables, by name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        return timed
+
+
+def instrumented_llm(folder: Path, device: str) -> tuple[LLM, Clock]:
+    """The engine with its forward stubbed out and its host stages timed."""
+    llm = LLM(str(folder), device=device, max_num_seqs=BATCH, num_blocks=4096, launch_ahead=False)
+    engine, clock = llm.engine, Clock()
+    logits = torch.randn(BATCH, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits = logits.to(device)
+
+    def forward(out: Any, previous: Any = None) -> torch.Tensor:
+        return logits[: sum(1 for c in out.chunks if c.samples)]
+
+    engine.runner.execute = forward  # type: ignore[method-assign]
+    scheduler = engine.scheduler
+    scheduler.schedule = clock.wrap("scheduler", scheduler.schedule)  # type: ignore[method-assign]
+    scheduler.commit = clock.wrap("scheduler", scheduler.commit)  # type: ignore[method-assign]
+    engine.sampler = clock.wrap("sampler", engine.sampler)  # type: ignore[assignment]
+    return llm, clock
+
+
+def measure(llm: LLM, clock: Clock, params: SamplingParams, repeats: int) -> dict[str, float]:
+    """Median ms per step of the wall time and of each stage, over the timed runs."""
+    g = torch.Generator().manual_seed(1)
+    steps = NEW_TOKENS + 1
+    runs: dict[str, list[float]] = defaultdict(list)
+    for run in range(repeats + 1):
+        prompts = torch.randint(3, VOCAB, (BATCH, PROMPT_TOKENS), generator=g).tolist()
+        clock.seconds.clear()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
+        if run:  # the first run is untimed
+            staged = sum(clock.seconds.values())
+            runs["wall"].append(wall / steps * 1e3)
+            for name in ("scheduler", "sampler"):
+                runs[name].append(clock.seconds[name] / steps * 1e3)
+            runs["rest"].append((wall - staged) / steps * 1e3)
+    return {name: statistics.median(values) for name, values in runs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/pagedq-host-bench-model"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sampling", choices=["all", "greedy"], default="all")
+    args = parser.parse_args()
+    folder = write_model(
+        args.work, layers=1, hidden=64, inter=128, heads=2, gptq=False, device="cpu"
+    )
+    llm, clock = instrumented_llm(folder, args.device)
+    rows = []
+    for name, params in SETTINGS.items():
+        if args.sampling == "greedy" and params.temperature > 0:
+            continue
+        row = {"sampling": name, **measure(llm, clock, params, args.repeats)}
+        rows.append(row)
+        print(f"  {name}: {row['wall']:.3f} ms per step", flush=True)
+    write(rows, args)
+
+
+def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
+    env = {"date_utc": stamp, "device": args.device, "name": where, "torch": torch.__version__,
+           "python": platform.python_version()}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"host_{stamp}"
+    stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}))
+    lines = [
+        f"# Host time per decode step, batch {BATCH}, {where or args.device} ({args.device}), "
+        f"torch {env['torch']}, Python {env['python']}, {stamp} UTC",
+        "",
+        f"Command: `PYTHONPATH=. python3 bench/bench_host.py --out bench/results "
+        f"--device {args.device} --sampling {args.sampling}`",
+        "",
+        "ms per step (median of the timed runs):",
+        "",
+        "| sampling | wall | scheduler + block manager | sampler | rest of the engine | target |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {r['sampling']} | {r['wall']:.3f} | {r['scheduler']:.3f} | {r['sampler']:.3f} | "
+        f"{r['rest']:.3f} | < {TARGET_MS} |"
+        for r in rows
+    ]
+    text = "\n".join(lines) + "\n"
+    stem.with_suffix(".md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
