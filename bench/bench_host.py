@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -125,16 +126,29 @@ def main() -> None:
     write(rows, args)
 
 
+def cpu_name() -> str:
+    """The host CPU's model name (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
+    where = f"host CPU {cpu_name()}, {os.cpu_count()} threads"
+    if args.device.startswith("cuda"):
+        where = f"{torch.cuda.get_device_name()}, {where}"
     env = {"date_utc": stamp, "device": args.device, "name": where, "torch": torch.__version__,
            "python": platform.python_version()}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"host_{stamp}"
     stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}))
     lines = [
-        f"# Host time per decode step, batch {BATCH}, {where or args.device} ({args.device}), "
+        f"# Host time per decode step, batch {BATCH}, device {args.device}: {where}, "
         f"torch {env['torch']}, Python {env['python']}, {stamp} UTC",
         "",
         f"Command: `PYTHONPATH=. python3 bench/bench_host.py --out bench/results "
