@@ -437,7 +437,10 @@ def test_short_bounds_with_many_programs_take_small_tiles() -> None:
     assert tiles(64, 32, 256) == (32, 1, 3)
     assert tiles(16, 32, 256) == (64, 2, 3)
     assert tiles(256, 8, 1536) == (128, 4, 2)  # W4b, B=256, mean 1001
-    assert plan(1, 32, 256).num_splits > 1  # few programs still split
+    assert tiles(4, 32, 256) == (128, 4, 3) and plan(4, 32, 256).num_splits > 1
+    single = plan(1, 32, 256)  # W2, B=1: the reduce launch costs more than it saves
+    assert single.num_splits == 1 and tiles(1, 32, 256) == (128, 4, 3)
+    assert plan(1, 32, 512).num_splits > 1  # longer bounds split
     assert DecodeConfig() == DecodeConfig(block_n=128, num_warps=4, num_stages=3)
 
 

@@ -111,6 +111,8 @@ def _single_split_config(
         return DecodeConfig(block_n=32, num_warps=1, num_stages=3)
     if bound <= SHORT_BOUND and programs >= 2 * num_sms:
         return DecodeConfig(block_n=64, num_warps=2, num_stages=3)
+    if bound <= SHORT_BOUND and 4 * programs <= num_sms:
+        return cfg  # one or two default tiles per program (see choose_splits)
     if programs <= 4 * num_sms:
         return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
     if programs >= 8 * num_sms:
@@ -139,9 +141,17 @@ def choose_splits(
     program's tokens (taken as `max_seq_len`, an upper bound) plus PROGRAM_COST_TOKENS per
     program. More splits shorten the tail (the longest program) and fill the SMs of small
     batches; each costs a program per (sequence, kv head). Only shapes are read.
+
+    The model has no term for the reduce kernel, whose launch after the split programs is
+    about as long as a short key range: with bounds of at most SHORT_BOUND and at most a
+    quarter as many programs as SMs, one split (H200 sweep of 2026-12-01, B=1 x 32 KV heads,
+    bound 256, contexts 24 / 72 / 136 / 250: 3.39 / 3.83 / 6.03 / 6.44 us against 4.84 /
+    5.50 / 6.20 / 6.58 with two splits).
     """
     longest = max(max_seq_len, 1)
     programs = max(num_seqs * num_kv_heads, 1)
+    if longest <= SHORT_BOUND and 4 * programs <= num_sms:
+        return 1, _round_up(longest, align)
     best: tuple[float, int, int] | None = None
     for wanted in range(1, MAX_SPLITS + 1):
         chunk = _round_up(_cdiv(longest, wanted), align)
