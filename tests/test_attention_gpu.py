@@ -104,8 +104,27 @@ def test_decode_length_bound_below_the_lengths_is_still_exact() -> None:
         torch.testing.assert_close(out, attn.reference_decode_attention(*args), **TOL[q.dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("num_seqs", "kv_heads"), [(1, 32), (4, 32), (16, 32), (64, 32), (200, 8)])
+def test_decode_short_bound_plans(dtype: torch.dtype, num_seqs: int, kv_heads: int) -> None:
+    """Bounds of 256 take the short-context plans (one split for few programs; 64-token
+    tiles with 2 warps, or 32-token tiles with 1 warp, for many): each exact."""
+    from triton_kernels import paged_decode
+
+    lens = ragged_lengths(16, 256, max(num_seqs, 5), seed=num_seqs)[-num_seqs:]
+    batch = make_batch(lens, kv_heads, 128, 16, dtype, device="cuda")
+    q = torch.randn(num_seqs, 32, 128, device="cuda").to(dtype)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    out = torch.full_like(q, float("nan"))
+    plan = paged_decode.launch(*args, out, 128**-0.5, max_seq_len=256)
+    assert plan.num_splits == 1 or num_seqs == 4
+    torch.testing.assert_close(out, attn.reference_decode_attention(*args, 128**-0.5), **TOL[dtype])
+
+
 # the tiles bench/bench_attention.py sweeps: each must compile, fit and be exact
-DECODE_TILES = [(128, 4, 3), (128, 4, 2), (64, 2, 3), (64, 4, 3), (128, 8, 3), (64, 2, 2)]
+DECODE_TILES = [
+    (128, 4, 3), (128, 4, 2), (64, 2, 3), (64, 4, 3), (128, 8, 3), (64, 2, 2), (32, 1, 3),
+]  # fmt: skip
 PREFILL_TILES = [
     (128, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3),
     (128, 64, 4, 4), (64, 32, 4, 4), (64, 32, 2, 3),
