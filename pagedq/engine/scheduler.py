@@ -36,18 +36,22 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True  # split prompts longer than the remaining budget
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledChunk:
-    """Tokens `seq.token_ids[start : start + num_tokens]` are computed this step."""
+    """Tokens `seq.token_ids[start : start + num_tokens]` are computed this step. Read-only by
+    convention: one is built per row per step, and a frozen dataclass costs three times as
+    much to build."""
 
     seq: Sequence
     start: int  # seq.num_computed_tokens when scheduled
     num_tokens: int  # >= 1
+    samples: bool  # the chunk reaches the end of the sequence: its last logits give a new token
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the sequence: its last logits give a new token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        """The next `num_tokens` tokens of `seq` after its computed ones."""
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, start + num_tokens == len(seq.token_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +183,7 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledChunk:
         """Record a chunk and share the blocks it fills (see BlockManager.cache_full_blocks)."""
-        chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
+        chunk = ScheduledChunk.of(seq, num_new)
         self.bm.cache_full_blocks(seq, chunk.start + num_new)
         return chunk
 
@@ -226,7 +230,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 break
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            chunks.append(ScheduledChunk.of(seq, num_new))
             budget -= num_new
         return chunks
 
