@@ -177,11 +177,22 @@ def environment(llm: LLM) -> dict[str, Any]:
     }
 
 
+def save_result(
+    out: Path, name: str, env: dict[str, Any], rows: list[dict[str, Any]], lines: list[str]
+) -> None:
+    """Write `{name}_{date}.json` (env and rows) and `.md` (the lines) into `out`; print the
+    table."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{name}_{env['date_utc']}"
+    stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}))
+    text = "\n".join(lines) + "\n"
+    stem.with_suffix(".md").write_text(text)
+    print(text)
+
+
 def write(rows: list[dict[str, Any]], llm: LLM, out: Path) -> None:
     env = environment(llm)
     stamp = env["date_utc"]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"engine_decode_{stamp}.json").write_text(json.dumps({"env": env, "rows": rows}))
     by = {(r["mode"], r["batch"]): r for r in rows}
     lines = [
         f"# W2 engine decode, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
@@ -201,9 +212,7 @@ def write(rows: list[dict[str, Any]], llm: LLM, out: Path) -> None:
             + " | ".join(f"{r['tokens_per_s']:.0f} ({r['ms_per_step']:.2f})" for r in cells)
             + f" | {TARGETS[b]} |"
         )
-    text = "\n".join(lines) + "\n"
-    (out / f"engine_decode_{stamp}.md").write_text(text)
-    print(text)
+    save_result(out, "engine_decode", env, rows, lines)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Run (about 1 minute on an H200, plus about 1 minute to write the model the first
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from typing import Any
@@ -28,6 +27,7 @@ from bench.bench_engine_decode import (
     VOCAB,
     engine_bench_args,
     environment,
+    save_result,
     set_mode,
     write_model,
 )
@@ -80,9 +80,6 @@ def main() -> None:
         print(f"  {mode}: {seconds:.3f} s, {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
     set_mode(llm, graphs, "graphs")
     env = environment(llm)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"engine_w1_{env['date_utc']}"
-    stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}))
     lines = [
         f"# W1 shared-system-prompt batch, {env['gpu']}, torch {env['torch']}, "
         f"triton {env['triton']}, {env['date_utc']} UTC",
@@ -98,9 +95,7 @@ def main() -> None:
         f"<= {TARGET_SECONDS} s |"
         for r in rows
     ]
-    text = "\n".join(lines) + "\n"
-    stem.with_suffix(".md").write_text(text)
-    print(text)
+    save_result(args.out, "engine_w1", env, rows, lines)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -35,7 +34,7 @@ from typing import Any
 
 import torch
 
-from bench.bench_engine_decode import VOCAB, write_model
+from bench.bench_engine_decode import VOCAB, save_result, write_model
 from pagedq import LLM, SamplingParams
 
 BATCH, PROMPT_TOKENS, NEW_TOKENS = 256, 8, 128
@@ -144,9 +143,6 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         where = f"{torch.cuda.get_device_name()}, {where}"
     env = {"date_utc": stamp, "device": args.device, "name": where, "torch": torch.__version__,
            "python": platform.python_version()}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"host_{stamp}"
-    stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}))
     lines = [
         f"# Host time per decode step, batch {BATCH}, device {args.device}: {where}, "
         f"torch {env['torch']}, Python {env['python']}, {stamp} UTC",
@@ -164,9 +160,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"{r['rest']:.3f} | < {TARGET_MS} |"
         for r in rows
     ]
-    text = "\n".join(lines) + "\n"
-    stem.with_suffix(".md").write_text(text)
-    print(text)
+    save_result(args.out, "host", env, rows, lines)
 
 
 if __name__ == "__main__":
