@@ -19,28 +19,23 @@ struct GemmVariant {
   int values;  // workspace values per CTA
 };
 
-template <typename T, int BT, bool G>
+template <typename T, int BT>
 GemmVariant gemm_variant(bool per_quarter) {
   using Tile = gptq::GemmTile<BT>;
   constexpr int values = gptq::kGemmThreads * 4 * Tile::kPieces;
   if (per_quarter) {
-    return {gptq::gptq_gemm_kernel<T, BT, true, G>, gptq::gemm_smem_bytes<BT, true>(),
-            Tile::kCols, values};
+    return {gptq::gptq_gemm_kernel<T, BT, true>, gptq::gemm_smem_bytes<BT, true>(), Tile::kCols,
+            values};
   }
-  return {gptq::gptq_gemm_kernel<T, BT, false, G>, gptq::gemm_smem_bytes<BT, false>(),
-          Tile::kCols, values};
-}
-
-template <typename T, int BT>
-GemmVariant gemm_variant(bool per_quarter, bool gated) {
-  return gated ? gemm_variant<T, BT, true>(per_quarter) : gemm_variant<T, BT, false>(per_quarter);
+  return {gptq::gptq_gemm_kernel<T, BT, false>, gptq::gemm_smem_bytes<BT, false>(), Tile::kCols,
+          values};
 }
 
 template <typename T>
-GemmVariant gemm_variant(int bt, bool per_quarter, bool gated) {
-  if (bt == 64) return gemm_variant<T, 64>(per_quarter, gated);
-  if (bt == 128) return gemm_variant<T, 128>(per_quarter, gated);
-  return gemm_variant<T, 256>(per_quarter, gated);
+GemmVariant gemm_variant(int bt, bool per_quarter) {
+  if (bt == 64) return gemm_variant<T, 64>(per_quarter);
+  if (bt == 128) return gemm_variant<T, 128>(per_quarter);
+  return gemm_variant<T, 256>(per_quarter);
 }
 
 // x [M, K] as the kernel's tensor map: boxes of 64 k x BT rows, 128-byte swizzle, zeros outside.
@@ -77,7 +72,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   gptq::GemmParams p{};
   gptq_host::set_shape(p, x, qweight, scales, group_size);
   const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;
-  const GemmVariant v = gemm_variant<T>(bt, per_quarter, gated);
+  const GemmVariant v = gemm_variant<T>(bt, per_quarter);
   p.tiles_m = (p.M + bt - 1) / bt;
   p.tiles_n = (p.N + v.cols - 1) / v.cols;
   p.num_blocks = (p.K + gptq::kBlockK - 1) / gptq::kBlockK;

@@ -81,6 +81,7 @@ struct GemmParams {
   int group_size, num_groups;
   int tiles_m, tiles_n, num_blocks;  // ceil(M / BT), ceil(N / kCols), ceil(K / 128)
   int split;  // k > 0: ctas = k * tiles, tile t in k equal parts (CTAs kt..kt+k-1); 0: stream-K
+  int gated;  // 1: columns 2j, 2j + 1 are gate j, up j and out [M, N / 2] = silu(gate) * up
 };
 
 // The grid for `tiles` tiles of `num_blocks` blocks on `resident` resident CTAs; sets `split`.
@@ -364,15 +365,15 @@ __device__ inline void gemm_part(const unsigned char* st, uint32_t x_addr, int p
 }
 
 // Store the tile's sums (+ bias) to out: lane (g, t) holds columns col, col + 1 (A rows g, g + 8)
-// for tokens 8j + 2t (+ 1). G (gated): that pair is (gate, up) of out [M, N / 2]'s column
-// col / 2, which gets silu(gate) * up (a template parameter, as in the GEMV's write_out4).
-template <typename T, int BT, bool G>
+// for tokens 8j + 2t (+ 1); gated, that pair is (gate, up) of output column col / 2.
+template <typename T, int BT>
 __device__ inline void gemm_write(const GemmParams& p, int m0, int n0,
                                   const float (&acc)[GemmTile<BT>::kMT][BT / 2], int lo = 0,
                                   int hi = GemmTile<BT>::kPieces) {
   constexpr int kMT = GemmTile<BT>::kMT;
   const int c = consumer_thread(), lane = c % 32, g = lane / 4, t = lane % 4;
   const int col0 = n0 + 64 * kMT * (c / 128) + 16 * (c / 32 % 4) + 2 * g;
+  const int64_t width = p.gated ? p.N / 2 : p.N;  // out's row
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
     const int col = col0 + 64 * mt;
@@ -392,9 +393,8 @@ __device__ inline void gemm_write(const GemmParams& p, int m0, int n0,
         if (m >= p.M) continue;
         const uint32_t lo = Dtype<T>::from_float(acc[mt][4 * i + e] + b0);
         const uint32_t hi = Dtype<T>::from_float(acc[mt][4 * i + 2 + e] + b1);
-        uint16_t* row =
-            static_cast<uint16_t*>(p.out) + static_cast<int64_t>(m) * (G ? p.N / 2 : p.N);
-        if constexpr (G) {
+        uint16_t* row = static_cast<uint16_t*>(p.out) + m * width;
+        if (p.gated) {
           row[col / 2] = static_cast<uint16_t>(silu_mul_bits<T>(lo, hi));
         } else {
           *reinterpret_cast<uint32_t*>(row + col) = lo | (hi << 16);
@@ -470,7 +470,7 @@ __device__ inline void gemm_finish(const GemmParams& p, int tile,
 // the pieces of the other k - 1 shares to its slot, adds the other CTAs' pieces of its own share
 // in CTA order, and writes its share of the output. Each CTA reads (k - 1) / k of a partial
 // tile, where an owner would read k - 1 partial tiles.
-template <typename T, int BT, bool G>
+template <typename T, int BT>
 __device__ inline void gemm_share(const GemmParams& p, int m0, int n0,
                                   float (&acc)[GemmTile<BT>::kMT][BT / 2]) {
   constexpr int kPieces = GemmTile<BT>::kPieces;
@@ -490,10 +490,10 @@ __device__ inline void gemm_share(const GemmParams& p, int m0, int n0,
       if (v0 < hi && v0 + 8 > lo) add_slot<BT>(p, c, v0, lo, hi, acc);
     }
   }
-  gemm_write<T, BT, G>(p, m0, n0, acc, lo, hi);
+  gemm_write<T, BT>(p, m0, n0, acc, lo, hi);
 }
 
-template <typename T, int BT, bool PQ, bool Z, bool G>
+template <typename T, int BT, bool PQ, bool Z>
 __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
   using S = GemmStage<BT, PQ>;
   constexpr int kStages = gemm_stages<BT>();
@@ -587,7 +587,7 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
       const int tile = (begin + i) / p.num_blocks;
       const bool whole = seg_first == 0 && b == p.num_blocks - 1;
       if (whole) {
-        gemm_write<T, BT, G>(p, m0, n0, acc);
+        gemm_write<T, BT>(p, m0, n0, acc);
       } else if (seg_first == 0 || p.split > 1) {
         owned = tile;  // the CTA's last segment, or an exact split's only one: finished below
       } else {
@@ -606,22 +606,22 @@ __device__ inline void gemm_body(const GemmParams& p, const void* x_map) {
     int m0, n0, b;
     where(owned * p.num_blocks, m0, n0, b);
     if (p.split > 1) {  // an exact split: the tile of the CTA's only segment
-      gemm_share<T, BT, G>(p, m0, n0, acc);
+      gemm_share<T, BT>(p, m0, n0, acc);
     } else {
       gemm_finish<BT>(p, owned, acc, split);
-      gemm_write<T, BT, G>(p, m0, n0, acc);
+      gemm_write<T, BT>(p, m0, n0, acc);
     }
   }
 }
 
-template <typename T, int BT, bool PQ, bool G>
+template <typename T, int BT, bool PQ>
 __global__ void __launch_bounds__(kGemmBlock, 1)
     gptq_gemm_kernel(const GemmParams p, const __grid_constant__ CUtensorMap x_map) {
 #ifdef PAGEDQ_WGMMA  // sm_90a only (wgmma, TMA, setmaxnreg); the op refuses other GPUs
   if (p.zeros != nullptr) {
-    gemm_body<T, BT, PQ, true, G>(p, &x_map);
+    gemm_body<T, BT, PQ, true>(p, &x_map);
   } else {
-    gemm_body<T, BT, PQ, false, G>(p, &x_map);
+    gemm_body<T, BT, PQ, false>(p, &x_map);
   }
 #else
   __trap();  // built for another architecture with the rest of the extension (the GEMV)

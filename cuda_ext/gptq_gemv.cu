@@ -15,13 +15,8 @@ namespace {
 using KernelFn = void (*)(gptq::Params);
 
 template <typename T, int TOK>
-KernelFn kernel_for_tok(bool per_quarter, bool gated) {
-  if (gated) {
-    return per_quarter ? gptq::gptq_gemv_kernel<T, TOK, true, true>
-                       : gptq::gptq_gemv_kernel<T, TOK, false, true>;
-  }
-  return per_quarter ? gptq::gptq_gemv_kernel<T, TOK, true, false>
-                     : gptq::gptq_gemv_kernel<T, TOK, false, false>;
+KernelFn kernel_for_tok(bool per_quarter) {
+  return per_quarter ? gptq::gptq_gemv_kernel<T, TOK, true> : gptq::gptq_gemv_kernel<T, TOK, false>;
 }
 
 template <int TOK>
@@ -31,12 +26,12 @@ size_t smem_for_tok(bool per_quarter) {
 
 // The kernel and its shared memory for `tokens` (<= 16) rows.
 template <typename T>
-std::pair<KernelFn, size_t> variant(int tokens, bool per_quarter, bool gated) {
-  if (tokens <= 1) return {kernel_for_tok<T, 1>(per_quarter, gated), smem_for_tok<1>(per_quarter)};
-  if (tokens <= 2) return {kernel_for_tok<T, 2>(per_quarter, gated), smem_for_tok<2>(per_quarter)};
-  if (tokens <= 4) return {kernel_for_tok<T, 4>(per_quarter, gated), smem_for_tok<4>(per_quarter)};
-  if (tokens <= 8) return {kernel_for_tok<T, 8>(per_quarter, gated), smem_for_tok<8>(per_quarter)};
-  return {kernel_for_tok<T, 16>(per_quarter, gated), smem_for_tok<16>(per_quarter)};
+std::pair<KernelFn, size_t> variant(int tokens, bool per_quarter) {
+  if (tokens <= 1) return {kernel_for_tok<T, 1>(per_quarter), smem_for_tok<1>(per_quarter)};
+  if (tokens <= 2) return {kernel_for_tok<T, 2>(per_quarter), smem_for_tok<2>(per_quarter)};
+  if (tokens <= 4) return {kernel_for_tok<T, 4>(per_quarter), smem_for_tok<4>(per_quarter)};
+  if (tokens <= 8) return {kernel_for_tok<T, 8>(per_quarter), smem_for_tok<8>(per_quarter)};
+  return {kernel_for_tok<T, 16>(per_quarter), smem_for_tok<16>(per_quarter)};
 }
 
 template <typename T>
@@ -49,7 +44,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   p.tiles = (p.N + gptq::kTileN - 1) / gptq::kTileN;
   p.num_blocks = (p.K + gptq::kBlockK - 1) / gptq::kBlockK;
   const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;
-  const auto [kernel, smem] = variant<T>(p.M, per_quarter, gated);
+  const auto [kernel, smem] = variant<T>(p.M, per_quarter);
   const int resident = gptq_host::resident_ctas(
       "gptq_gemv", reinterpret_cast<const void*>(kernel), gptq::kThreads, smem, device);
   const int64_t sharers = gptq::max_sharers(p.M, p.num_blocks);

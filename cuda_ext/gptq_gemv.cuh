@@ -160,6 +160,7 @@ struct Params {
   int M, N, K;             // K % 8 == 0, N % 8 == 0
   int group_size, num_groups;
   int tiles, num_blocks;   // ceil(N / kTileN), ceil(K / kBlockK)
+  int gated;  // 1: columns 2j, 2j + 1 are gate j, up j and out [M, N / 2] = silu(gate) * up
 };
 
 // One block's operands for one lane, in registers.
@@ -531,12 +532,20 @@ __device__ inline uint32_t silu_mul_bits(uint32_t gate, uint32_t up) {
   return Dtype<T>::from_float(act * Dtype<T>::to_float(static_cast<uint16_t>(up)));
 }
 
+// out[m, n/2..n/2+1] = silu(gate) * up of the (gate, up) pairs (half[0], half[1]) and (half[2],
+// half[3]), as one 4-byte store. Not inlined: inlined, it changed the register allocation of
+// the ungated 16-token kernel (222 -> 192 registers).
+template <typename T>
+__device__ __noinline__ void write_gated2(const Params& p, int m, int n, const uint32_t* half) {
+  *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + static_cast<int64_t>(m) * (p.N / 2) +
+                               n / 2) =
+      silu_mul_bits<T>(half[0], half[1]) | silu_mul_bits<T>(half[2], half[3]) << 16;
+}
+
 // out[m, n..n+3] = v (+ bias), n = tile * kTileN + col (N % 8 == 0: the 4 columns exist
-// together), as one 8-byte store. G (gated): columns 2j, 2j + 1 are gate j, up j, and out [M,
-// N / 2] gets silu(gate) * up of the two pairs at n / 2, n / 2 + 1, as one 4-byte store. G is a
-// template parameter: a runtime flag cost the ungated kernels 7-11% (H200, M = 1 / 16 stacks
-// 1.199 / 1.650 ms against 1.115 / 1.488: dev_20261201c/ab_gated_runtime_flag.log).
-template <typename T, bool G>
+// together), as one 8-byte store; gated, out[m, n/2..n/2+1] = silu(gate) * up of the two
+// (gate, up) column pairs, as one 4-byte store.
+template <typename T>
 __device__ inline void write_out4(const Params& p, int tile, int m, int col, const float* v) {
   const int n = tile * kTileN + col;
   uint32_t half[4];
@@ -546,10 +555,8 @@ __device__ inline void write_out4(const Params& p, int tile, int m, int col, con
     if (p.bias != nullptr) f += Dtype<T>::to_float(static_cast<const uint16_t*>(p.bias)[n + e]);
     half[e] = Dtype<T>::from_float(f);
   }
-  if constexpr (G) {
-    *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) +
-                                 static_cast<int64_t>(m) * (p.N / 2) + n / 2) =
-        silu_mul_bits<T>(half[0], half[1]) | silu_mul_bits<T>(half[2], half[3]) << 16;
+  if (p.gated) {
+    write_gated2<T>(p, m, n, half);
     return;
   }
   *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + static_cast<int64_t>(m) * p.N + n) =
@@ -595,7 +602,7 @@ __device__ inline bool any_empty(const uint4& v) {
 
 // Write the CTA's sums `red` for `tile`: to out when it owns the whole tile, else to its
 // workspace slot ([M][kTileN] fp32; CTA first keeps them in red instead, see finish).
-template <typename T, bool G>
+template <typename T>
 __device__ inline void flush(const Params& p, int tile, bool whole, float* red) {
   float* slot = p.workspace + static_cast<int64_t>(blockIdx.x) * p.M * kTileN;
   for (int u = threadIdx.x; u < p.M * kUnitsPerRow; u += kThreads) {
@@ -603,7 +610,7 @@ __device__ inline void flush(const Params& p, int tile, bool whole, float* red) 
     if (!whole) {
       store_slot4(slot + 4 * u, v[0], v[1], v[2], v[3]);
     } else if (tile * kTileN + u % kUnitsPerRow * 4 < p.N) {
-      write_out4<T, G>(p, tile, u / kUnitsPerRow, u % kUnitsPerRow * 4, v);
+      write_out4<T>(p, tile, u / kUnitsPerRow, u % kUnitsPerRow * 4, v);
     }
   }
 }
@@ -614,7 +621,7 @@ __device__ inline void flush(const Params& p, int tile, bool whole, float* red) 
 // thread's units of each, and re-reads a unit until none of its values is kEmpty. Polling all
 // of a thread's values for all contributors at once, as the wgmma GEMM does, was slower (H200
 // stack, M=1: 1.22-1.40 ms against 1.19; gptq_w4a_2026-11-30r).
-template <typename T, int TOK, bool G>
+template <typename T, int TOK>
 __device__ inline void finish(const Params& p, int owned, float* red, const Split& split) {
   if (owned < 0) return;
   constexpr int kPer = units_per_thread<TOK>(), kRound = slots_per_round<TOK>();
@@ -658,7 +665,7 @@ __device__ inline void finish(const Params& p, int owned, float* red, const Spli
   for (int j = 0; j < kPer; ++j) {
     const int u = threadIdx.x + j * kThreads;
     if (u < units && owned * kTileN + u % kUnitsPerRow * 4 < p.N) {
-      write_out4<T, G>(p, owned, u / kUnitsPerRow, u % kUnitsPerRow * 4, unit_at(red, u));
+      write_out4<T>(p, owned, u / kUnitsPerRow, u % kUnitsPerRow * 4, unit_at(red, u));
     }
   }
 }
@@ -693,8 +700,8 @@ constexpr size_t smem_bytes() {
 // tuned at 3.
 static_assert(3 * (smem_bytes<1, false>() + 1024) <= 228 * 1024, "M=1 no longer fits 3 CTAs/SM");
 
-// The kernel for one zero-point mode (Z: zeros given); G: gated output (write_out4).
-template <typename T, int TOK, bool PQ, bool Z, bool G>
+// The kernel for one zero-point mode (Z: zeros given).
+template <typename T, int TOK, bool PQ, bool Z>
 __device__ inline void gemv_body(const Params& p) {
   constexpr int MT = Slot<TOK, PQ>::kMT;
   constexpr int kStages = stages<TOK>();
@@ -771,22 +778,22 @@ __device__ inline void gemv_body(const Params& p) {
     if (!whole && done.b0 == 0) {
       owned = done.tile;  // the CTA is the tile's first contributor: red stays for finish
     } else {
-      flush<T, G>(p, done.tile, whole, red);
+      flush<T>(p, done.tile, whole, red);
     }
     __syncthreads();  // red is reused by the next segment
     if (!more) break;
   }
   cp_async_wait<0>();
-  finish<T, TOK, G>(p, owned, red, split);
+  finish<T, TOK>(p, owned, red, split);
 }
 
-template <typename T, int TOK, bool PQ, bool G>
+template <typename T, int TOK, bool PQ>
 __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const Params p) {
   // one branch per launch; both bodies share the kernel's registers and shared memory
   if (p.zeros != nullptr) {
-    gemv_body<T, TOK, PQ, true, G>(p);
+    gemv_body<T, TOK, PQ, true>(p);
   } else {
-    gemv_body<T, TOK, PQ, false, G>(p);
+    gemv_body<T, TOK, PQ, false>(p);
   }
 }
 

@@ -138,6 +138,7 @@ at::Tensor bind(P& p, const at::Tensor& x, const at::Tensor& qweight, const at::
                 at::Tensor& workspace, bool gated) {
   const int64_t n = qweight.size(1);
   at::Tensor out = at::empty({x.size(0), gated ? n / 2 : n}, x.options());
+  p.gated = gated ? 1 : 0;
   p.x = x.data_ptr();
   p.x_stride = x.stride(0);
   p.qweight = qweight.data_ptr<int32_t>();

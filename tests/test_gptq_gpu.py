@@ -11,7 +11,6 @@ import torch
 
 from pagedq.gptq.linear import GPTQLinear
 from pagedq.ops import gptq as gptq_ops
-from pagedq.ops.fused import silu_mul
 from pagedq.ops.gptq import BACKEND_ENV, cuda_workspace, gptq_matmul_reference, select_path
 from tests.test_gptq_linear import make_checkpoint, reference_output
 
@@ -91,51 +90,6 @@ def test_act_order_asymmetric_with_bias_and_fusion(backend, m, zero_mode, monkey
     out = lin(x).double().cpu()
     ref = reference_output(x.cpu(), parts)
     assert (out - ref).abs().max() <= TOLERANCE[torch.float16] * ref.abs().max()
-
-
-@pytest.fixture(scope="module")
-def gate_up_parts() -> list:  # type: ignore[type-arg]
-    """Llama-2-7B's gate and up projections (4096 -> 11008 each), sym g128; and a smaller
-    asymmetric pair with bias."""
-    big = [make_checkpoint(seed=s, k=4096, n=11008, zero_mode="sym_v1") for s in (1, 2)]
-    small = [
-        make_checkpoint(seed=s, k=4096, n=1032, zero_mode="v1", bias=True, group_size=64)
-        for s in (3, 4)
-    ]
-    return [big, small]
-
-
-@pytest.mark.parametrize("pair", [0, 1], ids=["gate_up-sym", "small-asym-bias"])
-@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=["fp16", "bf16"])
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 256])
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
-def test_gated_gate_up_matches_reference(
-    gate_up_parts, backend, m, dtype, pair, monkeypatch
-) -> None:  # type: ignore[no-untyped-def]
-    """The gate/up matmul writing silu(gate) * up (GEMV, wgmma GEMM and both Triton paths,
-    split tiles included) against the fp32 reference of the same interleaved weight, and
-    against silu_mul of the unfused module."""
-    parts = gate_up_parts[pair]
-    tensors, config = [p.tensors for p in parts], parts[0].config
-    gated = GPTQLinear(tensors, config, dtype, device="cuda", gated=True)
-    plain = GPTQLinear(tensors, config, dtype, device="cuda")
-    assert gated.interleaved
-    monkeypatch.setenv(BACKEND_ENV, backend)
-    x = torch.randn(m, 4096, device="cuda", dtype=dtype)
-    packed, bias = gated.segment(0)
-    if backend == "cuda" and m <= 16 and select_path(x, packed) != "cuda":
-        pytest.skip("CUDA extension unavailable (see the warning)")
-    out = gated(x)
-    assert out.shape == (m, gated.out_features) and out.dtype == dtype
-    ref = gptq_matmul_reference(
-        x.float(), _as_fp32(packed), None if bias is None else bias.float(), gated=True
-    )
-    scale = ref.abs().max().item()
-    assert (out.float() - ref).abs().max().item() <= TOLERANCE[dtype] * scale
-    unfused = silu_mul(plain(x)).float()
-    assert (out.float() - unfused).abs().max().item() <= TOLERANCE[dtype] * scale
-    assert int(packed.locks.abs().sum()) == 0
-    assert bool(cuda_workspace(x.device).eq(-1).all())
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton", "auto"])

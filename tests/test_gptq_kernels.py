@@ -301,10 +301,10 @@ def test_gemm_grid_matches_the_kernel_host_code(
 
 
 def _compile_gemm_kernels(
-    tmp_path: Path, kernels: list[tuple[str, int, str, str]], arch: str, *flags: str
+    tmp_path: Path, kernels: list[tuple[str, int, str]], arch: str, *flags: str
 ) -> subprocess.CompletedProcess[str]:
-    """nvcc -c of gptq_gemm_kernel<T, BT, PQ, G> for each (T, BT, PQ, G) for sm_`arch` (skips the
-    test without nvcc); stderr holds ptxas's messages."""
+    """nvcc -c of gptq_gemm_kernel<T, BT, PQ> for each (T, BT, PQ) for sm_`arch` (skips the test
+    without nvcc); stderr holds ptxas's messages."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed")
@@ -312,9 +312,9 @@ def _compile_gemm_kernels(
     src.write_text(
         '#include "gptq_gemm.cuh"\n'
         + "".join(
-            f"template __global__ void pagedq::gptq::gptq_gemm_kernel<{t}, {bt}, {pq}, {g}>(\n"
+            f"template __global__ void pagedq::gptq::gptq_gemm_kernel<{t}, {bt}, {pq}>(\n"
             "    const pagedq::gptq::GemmParams, const __grid_constant__ CUtensorMap);\n"
-            for t, bt, pq, g in kernels
+            for t, bt, pq in kernels
         )
     )
     gencode = f"-gencode=arch=compute_{arch},code=sm_{arch}"
@@ -327,7 +327,7 @@ def test_gemm_kernel_compiles_for_every_extension_architecture(tmp_path: Path, a
     """build.py compiles gptq_gemm.cu with the GEMV for the current GPU's architecture (8.0 and
     up). The wgmma GEMM's body exists only on sm_90a; elsewhere it must still compile, or the
     whole extension, GEMV included, would fail to build."""
-    done = _compile_gemm_kernels(tmp_path, [("__nv_bfloat16", 128, "true", "true")], arch, "-O1")
+    done = _compile_gemm_kernels(tmp_path, [("__nv_bfloat16", 128, "true")], arch, "-O1")
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -335,7 +335,7 @@ def test_gemm_wgmmas_are_not_serialized(tmp_path: Path) -> None:
     """ptxas keeps each block half's wgmmas in flight together. It silently waits after every
     wgmma when it cannot prove the pipeline safe (info C7513 / C7518, "Potential Performance
     Loss"); a dev prototype ran 1.7x slower that way (gptq_w4a_2026-11-30s_notes.md)."""
-    kernels = [("__half", 64, "true", "false"), ("__half", 256, "false", "true")]
+    kernels = [("__half", 64, "true"), ("__half", 256, "false")]
     done = _compile_gemm_kernels(tmp_path, kernels, "90a", "-O3", "-Xptxas", "-v")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Potential Performance Loss" not in done.stderr, done.stderr[-2000:]
