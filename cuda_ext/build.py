@@ -20,6 +20,7 @@ import re
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -93,35 +94,9 @@ def _build(capability: tuple[int, int]) -> None:
 def _register_fakes() -> None:
     """Shape-only kernels for torch.compile / meta tensors."""
 
-    def out(x: torch.Tensor, qweight: torch.Tensor, gated: bool) -> torch.Tensor:
-        """[M, N] in x's dtype (x [M, K], qweight [Kp/8, N]); [M, N / 2] when gated."""
-        n = qweight.shape[1]
-        return x.new_empty((x.shape[0], n // 2 if gated else n))
+    def out_like(x: torch.Tensor, qweight: torch.Tensor, *rest: Any) -> torch.Tensor:
+        """Both ops return [M, N] in x's dtype (x [M, K], qweight [Kp/8, N])."""
+        return x.new_empty((x.shape[0], qweight.shape[1]))
 
-    def gemv(  # the schema's arguments (bindings.cpp)
-        x: torch.Tensor,
-        qweight: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        workspace: torch.Tensor,
-        group_size: int,
-        gated: bool = False,
-    ) -> torch.Tensor:
-        return out(x, qweight, gated)
-
-    def gemm(  # the schema's arguments (bindings.cpp)
-        x: torch.Tensor,
-        qweight: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        workspace: torch.Tensor,
-        group_size: int,
-        tile_tokens: int,
-        gated: bool = False,
-    ) -> torch.Tensor:
-        return out(x, qweight, gated)
-
-    torch.library.register_fake("pagedq::gptq_gemv", gemv)
-    torch.library.register_fake("pagedq::gptq_gemm", gemm)
+    for op in ("gptq_gemv", "gptq_gemm"):
+        torch.library.register_fake(f"pagedq::{op}", out_like)

@@ -67,7 +67,7 @@ CUtensorMap x_tensor_map(const at::Tensor& x, int bt) {
 template <typename T>
 at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
-               at::Tensor& workspace, int64_t group_size, int bt, bool gated) {
+               at::Tensor& workspace, int64_t group_size, int bt) {
   const int device = x.device().index();
   gptq::GemmParams p{};
   gptq_host::set_shape(p, x, qweight, scales, group_size);
@@ -84,7 +84,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   const int64_t slots = int64_t{ctas} * v.values;
   TORCH_CHECK(workspace.numel() >= slots, "gptq_gemm: ", ctas, " CTAs x ", v.values,
               " values need a workspace of ", slots, ", got ", workspace.numel());
-  at::Tensor out = gptq_host::bind(p, x, qweight, scales, zeros, bias, workspace, gated);
+  at::Tensor out = gptq_host::bind(p, x, qweight, scales, zeros, bias, workspace);
   gptq_host::launch(v.kernel, ctas, gptq::kGemmBlock, v.smem, true, p, x_tensor_map(x, bt));
   return out;
 }
@@ -95,7 +95,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
 at::Tensor gptq_gemm_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros,
                           const std::optional<at::Tensor>& bias, at::Tensor& workspace,
-                          int64_t group_size, int64_t tile_tokens, bool gated) {
+                          int64_t group_size, int64_t tile_tokens) {
   gptq_host::check_inputs("gptq_gemm", int64_t{1} << 30, x, qweight, scales, zeros, bias,
                           workspace, group_size);
   TORCH_CHECK(tile_tokens == 64 || tile_tokens == 128 || tile_tokens == 256,
@@ -107,9 +107,9 @@ at::Tensor gptq_gemm_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
               sm);
   const int bt = static_cast<int>(tile_tokens);
   if (x.scalar_type() == at::kHalf) {
-    return run<__half>(x, qweight, scales, zeros, bias, workspace, group_size, bt, gated);
+    return run<__half>(x, qweight, scales, zeros, bias, workspace, group_size, bt);
   }
-  return run<__nv_bfloat16>(x, qweight, scales, zeros, bias, workspace, group_size, bt, gated);
+  return run<__nv_bfloat16>(x, qweight, scales, zeros, bias, workspace, group_size, bt);
 }
 
 }  // namespace pagedq

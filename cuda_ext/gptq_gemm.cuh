@@ -81,7 +81,6 @@ struct GemmParams {
   int group_size, num_groups;
   int tiles_m, tiles_n, num_blocks;  // ceil(M / BT), ceil(N / kCols), ceil(K / 128)
   int split;  // k > 0: ctas = k * tiles, tile t in k equal parts (CTAs kt..kt+k-1); 0: stream-K
-  int gated;  // 1: columns 2j, 2j + 1 are gate j, up j and out [M, N / 2] = silu(gate) * up
 };
 
 // The grid for `tiles` tiles of `num_blocks` blocks on `resident` resident CTAs; sets `split`.
@@ -365,7 +364,7 @@ __device__ inline void gemm_part(const unsigned char* st, uint32_t x_addr, int p
 }
 
 // Store the tile's sums (+ bias) to out: lane (g, t) holds columns col, col + 1 (A rows g, g + 8)
-// for tokens 8j + 2t (+ 1); gated, that pair is (gate, up) of output column col / 2.
+// for tokens 8j + 2t (+ 1).
 template <typename T, int BT>
 __device__ inline void gemm_write(const GemmParams& p, int m0, int n0,
                                   const float (&acc)[GemmTile<BT>::kMT][BT / 2], int lo = 0,
@@ -373,7 +372,6 @@ __device__ inline void gemm_write(const GemmParams& p, int m0, int n0,
   constexpr int kMT = GemmTile<BT>::kMT;
   const int c = consumer_thread(), lane = c % 32, g = lane / 4, t = lane % 4;
   const int col0 = n0 + 64 * kMT * (c / 128) + 16 * (c / 32 % 4) + 2 * g;
-  const int64_t width = p.gated ? p.N / 2 : p.N;  // out's row
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
     const int col = col0 + 64 * mt;
@@ -393,12 +391,8 @@ __device__ inline void gemm_write(const GemmParams& p, int m0, int n0,
         if (m >= p.M) continue;
         const uint32_t lo = Dtype<T>::from_float(acc[mt][4 * i + e] + b0);
         const uint32_t hi = Dtype<T>::from_float(acc[mt][4 * i + 2 + e] + b1);
-        uint16_t* row = static_cast<uint16_t*>(p.out) + m * width;
-        if (p.gated) {
-          row[col / 2] = static_cast<uint16_t>(silu_mul_bits<T>(lo, hi));
-        } else {
-          *reinterpret_cast<uint32_t*>(row + col) = lo | (hi << 16);
-        }
+        uint16_t* at = static_cast<uint16_t*>(p.out) + static_cast<int64_t>(m) * p.N + col;
+        *reinterpret_cast<uint32_t*>(at) = lo | (hi << 16);
       }
     }
   }

@@ -37,7 +37,7 @@ std::pair<KernelFn, size_t> variant(int tokens, bool per_quarter) {
 template <typename T>
 at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
-               at::Tensor& workspace, int64_t group_size, bool gated) {
+               at::Tensor& workspace, int64_t group_size) {
   const int device = x.device().index();
   gptq::Params p{};
   gptq_host::set_shape(p, x, qweight, scales, group_size);
@@ -55,7 +55,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   TORCH_CHECK(workspace.numel() >= slots, "gptq_gemv: ", ctas, " CTAs x ", p.M, " rows x ",
               gptq::kTileN, " columns need a workspace of ", slots, " values, got ",
               workspace.numel());
-  at::Tensor out = gptq_host::bind(p, x, qweight, scales, zeros, bias, workspace, gated);
+  at::Tensor out = gptq_host::bind(p, x, qweight, scales, zeros, bias, workspace);
   const bool pdl = gptq_host::capability(device) >= 90;  // programmatic dependent launch
   gptq_host::launch(kernel, ctas, gptq::kThreads, smem, pdl, p);
   return out;
@@ -67,14 +67,14 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
 at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros,
                           const std::optional<at::Tensor>& bias, at::Tensor& workspace,
-                          int64_t group_size, bool gated) {
+                          int64_t group_size) {
   gptq_host::check_inputs("gptq_gemv", 16, x, qweight, scales, zeros, bias, workspace,
                           group_size);
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   if (x.scalar_type() == at::kHalf) {
-    return run<__half>(x, qweight, scales, zeros, bias, workspace, group_size, gated);
+    return run<__half>(x, qweight, scales, zeros, bias, workspace, group_size);
   }
-  return run<__nv_bfloat16>(x, qweight, scales, zeros, bias, workspace, group_size, gated);
+  return run<__nv_bfloat16>(x, qweight, scales, zeros, bias, workspace, group_size);
 }
 
 }  // namespace pagedq

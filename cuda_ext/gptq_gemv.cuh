@@ -160,7 +160,6 @@ struct Params {
   int M, N, K;             // K % 8 == 0, N % 8 == 0
   int group_size, num_groups;
   int tiles, num_blocks;   // ceil(N / kTileN), ceil(K / kBlockK)
-  int gated;  // 1: columns 2j, 2j + 1 are gate j, up j and out [M, N / 2] = silu(gate) * up
 };
 
 // One block's operands for one lane, in registers.
@@ -522,29 +521,8 @@ __host__ __device__ inline Split gemv_split(const Params& p, int ctas) {
   return Split(p.tiles, p.num_blocks, kWarps, ctas);
 }
 
-// silu(gate) * up of two T values, rounded where the unfused model rounds (gate and up are
-// outputs in T, silu(gate) is rounded to T, then the product: reference_silu_mul in
-// pagedq/ops/fused.py).
-template <typename T>
-__device__ inline uint32_t silu_mul_bits(uint32_t gate, uint32_t up) {
-  const float g = Dtype<T>::to_float(static_cast<uint16_t>(gate));
-  const float act = Dtype<T>::to_float(Dtype<T>::from_float(g / (1.f + __expf(-g))));
-  return Dtype<T>::from_float(act * Dtype<T>::to_float(static_cast<uint16_t>(up)));
-}
-
-// out[m, n/2..n/2+1] = silu(gate) * up of the (gate, up) pairs (half[0], half[1]) and (half[2],
-// half[3]), as one 4-byte store. Not inlined: inlined, it changed the register allocation of
-// the ungated 16-token kernel (222 -> 192 registers).
-template <typename T>
-__device__ __noinline__ void write_gated2(const Params& p, int m, int n, const uint32_t* half) {
-  *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + static_cast<int64_t>(m) * (p.N / 2) +
-                               n / 2) =
-      silu_mul_bits<T>(half[0], half[1]) | silu_mul_bits<T>(half[2], half[3]) << 16;
-}
-
 // out[m, n..n+3] = v (+ bias), n = tile * kTileN + col (N % 8 == 0: the 4 columns exist
-// together), as one 8-byte store; gated, out[m, n/2..n/2+1] = silu(gate) * up of the two
-// (gate, up) column pairs, as one 4-byte store.
+// together), as one 8-byte store.
 template <typename T>
 __device__ inline void write_out4(const Params& p, int tile, int m, int col, const float* v) {
   const int n = tile * kTileN + col;
@@ -554,10 +532,6 @@ __device__ inline void write_out4(const Params& p, int tile, int m, int col, con
     float f = v[e];
     if (p.bias != nullptr) f += Dtype<T>::to_float(static_cast<const uint16_t*>(p.bias)[n + e]);
     half[e] = Dtype<T>::from_float(f);
-  }
-  if (p.gated) {
-    write_gated2<T>(p, m, n, half);
-    return;
   }
   *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + static_cast<int64_t>(m) * p.N + n) =
       make_uint2(half[0] | half[1] << 16, half[2] | half[3] << 16);

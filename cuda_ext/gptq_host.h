@@ -130,15 +130,13 @@ void set_shape(P& p, const at::Tensor& x, const at::Tensor& qweight, const at::T
   p.num_groups = static_cast<int>(scales.size(0));
 }
 
-// Point the kernel parameters' tensor fields at the op's tensors and a new out: [M, N], or
-// [M, N / 2] when gated; returns out. P: gptq::Params or gptq::GemmParams.
+// Point the kernel parameters' tensor fields at the op's tensors and a new out [M, N]; returns
+// out. P: gptq::Params or gptq::GemmParams.
 template <typename P>
 at::Tensor bind(P& p, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
-                at::Tensor& workspace, bool gated) {
-  const int64_t n = qweight.size(1);
-  at::Tensor out = at::empty({x.size(0), gated ? n / 2 : n}, x.options());
-  p.gated = gated ? 1 : 0;
+                at::Tensor& workspace) {
+  at::Tensor out = at::empty({x.size(0), qweight.size(1)}, x.options());
   p.x = x.data_ptr();
   p.x_stride = x.stride(0);
   p.qweight = qweight.data_ptr<int32_t>();

@@ -18,7 +18,6 @@ import torch
 
 from pagedq.errors import ConfigError
 from pagedq.gptq.linear import GPTQLinear
-from pagedq.ops.fused import reference_silu_mul
 from pagedq.ops.gptq import (
     BACKEND_ENV,
     gemm_grid,
@@ -104,73 +103,6 @@ def test_triton_with_different_g_idx_per_part(monkeypatch: pytest.MonkeyPatch) -
     for m in (2, 18):
         x = torch.randn(1, m, 256)
         _assert_matches(_run(lin, x, monkeypatch), x, parts)
-
-
-GATED_CASES = [
-    # (k, n, group_size, zero_mode, desc_act, bias, same g_idx): gate and up parts of [n, k]
-    (256, 64, 128, "sym_v1", False, False, True),
-    (384, 48, 64, "v1", True, True, True),  # act-order, one g_idx: still one interleaved weight
-    (200, 40, 32, "v2", False, True, True),  # a padded block, per-quarter scales
-    (256, 32, 64, "v2", True, False, False),  # g_idx differ: two weights, then silu_mul
-]
-
-
-@pytest.mark.parametrize("case", GATED_CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_gated_gate_up_is_silu_mul_of_the_parts(
-    case: tuple, dtype: torch.dtype, backend: str, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[type-arg]
-    """A gated gate/up GPTQLinear returns silu(gate) * up, rounded as the unfused model: the
-    same as the ungated module followed by silu_mul, with gate and up interleaved in one packed
-    weight when they fuse (the Triton paths then apply the gate in their epilogue)."""
-    k, n, group_size, zero_mode, desc_act, bias, same_g_idx = case
-    parts = [
-        make_checkpoint(
-            seed=s, k=k, n=n, group_size=group_size, zero_mode=zero_mode, desc_act=desc_act,
-            bias=bias, g_idx_rng_seed=7 if same_g_idx else s,
-        )
-        for s in (1, 2)
-    ]  # fmt: skip
-    tensors = [p.tensors for p in parts]
-    gated = GPTQLinear(tensors, parts[0].config, dtype, gated=True)
-    plain = GPTQLinear(tensors, parts[0].config, dtype)
-    assert gated.interleaved == same_g_idx and gated.out_features == n
-    assert torch.equal(gated.dequantized_weight(), plain.dequantized_weight())
-    monkeypatch.setenv(BACKEND_ENV, backend)
-    for m in (1, 5, 20):  # the GEMV and the GEMM (split-K at 1 and 5 rows)
-        x = torch.randn(m, k).to(dtype)
-        out = gated(x)
-        assert out.shape == (m, n) and out.dtype == dtype
-        expected = reference_silu_mul(plain(x))
-        tol = 1e-5 if dtype == torch.float32 else 2e-3  # fp16: an output rounded differently
-        err = (out.double() - expected.double()).abs().max().item()
-        assert err <= tol * max(expected.abs().max().item(), 1.0), (m, err)
-        full = reference_output(x.double(), parts)  # float64 [gate | up]
-        exact = torch.nn.functional.silu(full[:, :n]) * full[:, n:]
-        err = (out.double() - exact).abs().max().item()
-        assert err <= 5 * tol * max(exact.abs().max().item(), 1.0), (m, err)
-    if gated.interleaved:
-        assert int(gated.segment(0)[0].locks.abs().sum()) == 0  # split-K counters reset
-
-
-def test_gated_linear_needs_a_pair_of_one_shape() -> None:
-    a, b = make_checkpoint(seed=1, k=128, n=16), make_checkpoint(seed=2, k=128, n=24)
-    with pytest.raises(ConfigError, match="two parts"):
-        GPTQLinear([a.tensors, b.tensors], a.config, torch.float32, gated=True)
-    with pytest.raises(ConfigError, match="two parts"):
-        GPTQLinear([a.tensors], a.config, torch.float32, gated=True)
-
-
-def test_gated_matmul_reference_and_empty_input() -> None:
-    ck = make_checkpoint(seed=3, k=128, n=32, bias=True)
-    lin = GPTQLinear([ck.tensors], ck.config, torch.float16)
-    packed, bias = lin.segment(0)
-    x = torch.randn(3, 128).half()
-    full = gptq_matmul(x, packed, bias)  # the torch path on CPU
-    expected = reference_silu_mul(torch.cat((full[:, 0::2], full[:, 1::2]), dim=1))
-    torch.testing.assert_close(gptq_matmul(x, packed, bias, gated=True), expected)
-    assert gptq_matmul(torch.randn(0, 128).half(), packed, gated=True).shape == (0, 16)
 
 
 def test_split_k_is_used_and_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -344,15 +276,15 @@ def test_gemm_wgmmas_are_not_serialized(tmp_path: Path) -> None:
 # --- the Triton kernels through the real compiler (sm_90), no GPU needed ------------------
 
 AOT_VARIANTS = [  # (kernel, dtype, BLOCK_M, BLOCK_N, SCALE_MODE, HAS_ZEROS, HAS_BIAS, USE_SPLIT_K,
-    #  SWAP_AB, GATED)
-    ("gemv", "fp16", 16, 64, 0, False, False, True, False, False),
-    ("gemv", "bf16", 16, 64, 1, True, True, True, False, True),
-    ("gemv", "fp16", 16, 64, 2, True, False, False, False, False),
-    ("gemv", "bf16", 16, 128, 0, False, True, True, True, True),
-    ("gemm", "fp16", 64, 128, 0, False, True, False, False, True),
-    ("gemm", "bf16", 32, 128, 0, True, False, True, False, False),
-    ("gemm", "fp16", 128, 128, 1, False, False, False, False, False),
-    ("gemm", "fp16", 128, 128, 0, True, True, False, True, True),
+    #  SWAP_AB)
+    ("gemv", "fp16", 16, 64, 0, False, False, True, False),
+    ("gemv", "bf16", 16, 64, 1, True, True, True, False),
+    ("gemv", "fp16", 16, 64, 2, True, False, False, False),
+    ("gemv", "bf16", 16, 128, 0, False, True, True, True),
+    ("gemm", "fp16", 64, 128, 0, False, True, False, False),
+    ("gemm", "bf16", 32, 128, 0, True, False, True, False),
+    ("gemm", "fp16", 128, 128, 1, False, False, False, False),
+    ("gemm", "fp16", 128, 128, 0, True, True, False, True),
 ]
 
 
@@ -366,10 +298,10 @@ def aot_compile_variants() -> list[str]:
     from triton_kernels.gptq_gemv import gptq_gemv_kernel
 
     done = []
-    for name, dtype, bm, bn, mode, zeros, bias, split, swap, gated in AOT_VARIANTS:
+    for name, dtype, bm, bn, mode, zeros, bias, split, swap in AOT_VARIANTS:
         kernel = gptq_gemv_kernel if name == "gemv" else gptq_gemm_kernel
         consts = {"BLOCK_M": bm, "BLOCK_N": bn, "SCALE_MODE": mode, "HAS_ZEROS": zeros}
-        consts |= {"SWAP_AB": swap, "GATED": gated}
+        consts |= {"SWAP_AB": swap}
         consts |= {"HAS_BIAS": bias, "USE_SPLIT_K": split} | (
             {"GROUP_M": 8} if name == "gemm" else {}
         )
@@ -386,7 +318,7 @@ def aot_compile_variants() -> list[str]:
         source = ASTSource(kernel, signature, keyed)
         options = {"num_warps": 8 if bm == 128 else 4, "num_stages": 3}
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-        done.append(f"{name}-{dtype}-{bm}x{bn}-mode{mode}-swap{int(swap)}-gated{int(gated)}")
+        done.append(f"{name}-{dtype}-{bm}x{bn}-mode{mode}-swap{int(swap)}")
     return done
 
 

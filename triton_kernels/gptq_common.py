@@ -242,36 +242,14 @@ def _dot(a, b, acc):
 
 @triton.jit
 def _write_output(
-    acc,
-    offs_m,
-    offs_n,
-    M,
-    N,
-    out_ptr,
-    stride_om,
-    bias_ptr,
-    HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,
+    acc, offs_m, offs_n, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr
 ):
-    """acc [BLOCK_M, BLOCK_N] fp32 (+ bias) -> out in its dtype. GATED: columns 2j, 2j + 1 are
-    (gate, up) of out column j, and out gets silu(gate) * up, rounded where the unfused model
-    rounds (the outputs, then silu(gate), then the product: as `triton_kernels/silu_mul.py`)."""
-    dtype = out_ptr.dtype.element_ty
+    """acc [BLOCK_M, BLOCK_N] fp32 (+ bias) -> out in its dtype."""
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc += bias.to(tl.float32)[None, :]
-    if GATED:
-        pairs = tl.reshape(acc.to(dtype).to(tl.float32), (acc.shape[0], acc.shape[1] // 2, 2))
-        gate, up = tl.split(pairs)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        cols, _ = tl.split(tl.reshape(offs_n // 2, (acc.shape[1] // 2, 2)))
-        out_offs = offs_m.to(tl.int64)[:, None] * stride_om + cols[None, :]
-        mask = (offs_m[:, None] < M) & (cols[None, :] < N // 2)
-        tl.store(out_ptr + out_offs, (act * up).to(dtype), mask=mask)
-    else:
-        out_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(out_ptr + out_offs, acc.to(dtype), mask=mask)
+    out_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -291,15 +269,12 @@ def store_output(
     SPLIT_K,  # number of K splits (runtime: one compiled kernel serves every split count)
     USE_SPLIT_K: tl.constexpr,  # SPLIT_K > 1
     HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,  # see _write_output
 ):
     """Write the tile, or with split-K let the last program to arrive reduce and write it."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if not USE_SPLIT_K:
-        _write_output(
-            acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, HAS_BIAS, GATED
-        )  # fmt: skip
+        _write_output(acc, offs_m, offs_n, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
     else:
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         # --- publish this partial, then count arrivals (release/acquire at GPU scope);
         # the launcher keeps SPLIT_K * M * N below 2**31
         ws_offs = offs_m[:, None] * N + offs_n[None, :]
@@ -315,9 +290,7 @@ def store_output(
                     ws_ptr + split * plane + ws_offs, mask=mask, other=0.0, cache_modifier=".cg"
                 )
                 total += part
-            _write_output(
-                total, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, HAS_BIAS, GATED
-            )  # fmt: skip
+            _write_output(total, offs_m, offs_n, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
             tl.atomic_xchg(locks_ptr + tile, 0)
 
 

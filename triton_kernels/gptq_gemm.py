@@ -59,7 +59,6 @@ def gptq_gemm_kernel(
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SWAP_AB: tl.constexpr = False,  # weights as tl.dot's first operand (gptq_common)
-    GATED: tl.constexpr = False,  # columns alternate gate, up: out = silu(gate) * up
 ):
     # --- grouped tile order: GROUP_M row tiles share each column slab
     pid = tl.program_id(0)
@@ -86,5 +85,5 @@ def gptq_gemm_kernel(
     # --- write, or reduce split-K partials in the last program to arrive
     store_output(
         acc, offs_m, offs_n, M, N, pid_k, pid, out_ptr, stride_om, bias_ptr, ws_ptr, locks_ptr,
-        SPLIT_K, USE_SPLIT_K, HAS_BIAS, GATED,
+        SPLIT_K, USE_SPLIT_K, HAS_BIAS,
     )  # fmt: skip

@@ -57,7 +57,6 @@ def gptq_gemv_kernel(
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SWAP_AB: tl.constexpr = False,  # weights as tl.dot's first operand (gptq_common)
-    GATED: tl.constexpr = False,  # columns alternate gate, up: out = silu(gate) * up
 ):
     # --- which output columns and which slice of K this program owns
     pid_n = tl.program_id(0)
@@ -77,5 +76,5 @@ def gptq_gemv_kernel(
     # --- write, or reduce split-K partials in the last program to arrive
     store_output(
         acc, offs_m, offs_n, M, N, pid_k, pid_n, out_ptr, stride_om, bias_ptr, ws_ptr, locks_ptr,
-        SPLIT_K, USE_SPLIT_K, HAS_BIAS, GATED,
+        SPLIT_K, USE_SPLIT_K, HAS_BIAS,
     )  # fmt: skip

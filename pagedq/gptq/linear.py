@@ -14,10 +14,6 @@ Load, per checkpoint linear ("part"), then per run of fusable parts:
    checkpoint), and the scale/zero tables are re-indexed per run. group_size -1: one group.
 4. Parts with equal g_idx (q/k/v, gate/up) are fused along N into one `PackedGPTQWeight`;
    parts whose g_idx differ keep their own and their outputs are concatenated.
-5. Gated (a gate/up pair built with `gated=True`): the module returns silu(gate) * up. When
-   the two parts fuse, their columns are interleaved (column 2j is gate j, 2j + 1 is up j) and
-   the matmul writes the product itself (`gptq_matmul(..., gated=True)`): no [T, 2I] output
-   and no separate SiLU-mul launch. Otherwise the concatenated output goes through `silu_mul`.
 
 The packed layout (block-interleaved nibbles, scales and zeros in the activation dtype, zeros
 dropped when every z' is 8) is documented in `pagedq.ops.gptq.PackedGPTQWeight`.
@@ -36,7 +32,6 @@ import torch
 from pagedq.errors import CheckpointError, ConfigError, UnsupportedModelError
 from pagedq.gptq.config import GPTQConfig, GPTQTensors
 from pagedq.gptq.format import unpack_cols, unpack_rows, unpack_zeros
-from pagedq.ops.fused import silu_mul
 from pagedq.ops.gptq import (
     PackedGPTQWeight,
     dequantize_packed,
@@ -65,10 +60,9 @@ class GPTQLinear(torch.nn.Module):
     """y = x @ W^T (+ bias) with W stored 4-bit. Built from one or more checkpoint linears that
     share the input (q/k/v or gate/up) and fused along N at load.
 
-    Invariants: `out_features` is the sum of the parts' N (gated: one part's N), outputs come
-    in part order; each segment (a run of parts with equal g_idx) is one `PackedGPTQWeight` held
-    in buffers named `<tensor>_<segment>`, so `.to(device)` moves it; a gated module with one
-    segment holds it column-interleaved (`interleaved`). On CPU the `torch` path caches the
+    Invariants: `out_features` is the sum of the parts' N, outputs come in part order; each
+    segment (a run of parts with equal g_idx) is one `PackedGPTQWeight` held in buffers named
+    `<tensor>_<segment>`, so `.to(device)` moves it. On CPU the `torch` path caches the
     dequantized fp32 weight at first use (CPU inference is for tests and small models).
     """
 
@@ -78,17 +72,11 @@ class GPTQLinear(torch.nn.Module):
         config: GPTQConfig | Sequence[GPTQConfig],  # one for all parts, or one per part
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        gated: bool = False,  # parts are (gate, up): the module returns silu(gate) * up
     ) -> None:
         super().__init__()
         configs = [config] * len(parts) if isinstance(config, GPTQConfig) else list(config)
         if len(configs) != len(parts):
             raise ConfigError(f"GPTQLinear got {len(configs)} configs for {len(parts)} parts")
-        if gated and (len(parts) != 2 or parts[0].qweight.shape != parts[1].qweight.shape):
-            shapes = [tuple(p.qweight.shape) for p in parts]
-            raise ConfigError(
-                f"a gated GPTQLinear takes two parts (gate, up) of one shape, got qweights {shapes}"
-            )
         for c in configs:
             _check_config(c)
         if dtype not in _DTYPES:
@@ -101,13 +89,10 @@ class GPTQLinear(torch.nn.Module):
         ]
         _check_same_k(normalized)
         self.in_features = int(normalized[0].q.shape[0])
-        self.out_features = sum(int(p.q.shape[1]) for p in normalized) // (2 if gated else 1)
+        self.out_features = sum(int(p.q.shape[1]) for p in normalized)
         self.dtype = dtype
-        self.gated = gated
-        runs = _fusion_runs(normalized)
-        self.interleaved = gated and len(runs) == 1  # the matmul applies the gate
         self._sizes: list[tuple[int, int, int]] = []  # (K, N, group_size) per segment
-        for s, run in enumerate(runs):
+        for s, run in enumerate(_fusion_runs(normalized)):
             self._add_segment(s, [normalized[i] for i in run], dtype, device)
         self._dense_t: torch.Tensor | None = None  # CPU cache: W^T [K, N] fp32
         self._dense_bias: torch.Tensor | None = None  # CPU cache: bias [N] fp32
@@ -132,7 +117,7 @@ class GPTQLinear(torch.nn.Module):
         return packed, getattr(self, f"bias_{s}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] in `dtype` -> [..., N] in `dtype` (gated: silu(gate) * up, [..., N])."""
+        """x [..., K] in `dtype` -> [..., N] in `dtype`."""
         if x.shape[-1] != self.in_features or x.dtype != self.dtype:
             raise ValueError(
                 f"GPTQLinear takes [..., {self.in_features}] {self.dtype}, "
@@ -140,15 +125,10 @@ class GPTQLinear(torch.nn.Module):
             )
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if not x2.is_cuda and select_path(x2, self.segment(0)[0]) == "torch":
-            out = self._cpu_forward(x2)  # checkpoint order: [gate | up] when gated
-        elif self.interleaved:
-            out = gptq_matmul(x2, *self.segment(0), gated=True)
-            return out.reshape(*x.shape[:-1], self.out_features)
+            out = self._cpu_forward(x2)
         else:
             outs = [gptq_matmul(x2, *self.segment(s)) for s in range(self.num_segments)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        if self.gated:
-            out = silu_mul(out)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -159,26 +139,22 @@ class GPTQLinear(torch.nn.Module):
             w_t = dequantize_packed(packed)  # [K, N_s], rows in group order
             if packed.perm is not None:
                 w_t = torch.empty_like(w_t).index_copy_(0, packed.perm, w_t)
-            if self.interleaved:
-                w_t = torch.cat((w_t[:, 0::2], w_t[:, 1::2]), dim=1)
             columns.append(w_t)
         return torch.cat(columns, dim=1).t().contiguous()
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"dtype={self.dtype}, segments={self.num_segments}, gated={self.gated}"
+            f"dtype={self.dtype}, segments={self.num_segments}"
         )
 
     def _add_segment(
         self, s: int, run: list[_Normalized], dtype: torch.dtype, device: torch.device | str
     ) -> None:
-        # gate and up interleaved column by column (see the module docstring), else in order
-        join = _interleave if self.interleaved else functools.partial(torch.cat, dim=-1)
         packed = make_packed_weight(
-            q=join([p.q for p in run]),
-            scales=join([p.scales for p in run]),
-            zeros=join([p.zeros for p in run]),
+            q=torch.cat([p.q for p in run], dim=1),
+            scales=torch.cat([p.scales for p in run], dim=1),
+            zeros=torch.cat([p.zeros for p in run], dim=1),
             group_size=run[0].group_size,
             perm=run[0].perm,
             dtype=dtype,
@@ -187,7 +163,7 @@ class GPTQLinear(torch.nn.Module):
         bias = None
         if any(p.bias is not None for p in run):
             pieces = [p.bias if p.bias is not None else p.q.new_zeros(p.q.shape[1]) for p in run]
-            bias = join([b.to(device=device, dtype=dtype) for b in pieces])
+            bias = torch.cat([b.to(device=device, dtype=dtype) for b in pieces])
         for name in ("qweight", "scales", "zeros", "perm", "locks"):
             self.register_buffer(f"{name}_{s}", getattr(packed, name), persistent=False)
         self.register_buffer(f"bias_{s}", bias, persistent=False)
@@ -202,8 +178,6 @@ class GPTQLinear(torch.nn.Module):
                 pieces = [
                     b if b is not None else p.scales.new_zeros(p.out_features) for p, b in biases
                 ]
-                if self.interleaved:  # back to checkpoint order, as dequantized_weight
-                    pieces = [pieces[0][0::2], pieces[0][1::2]]
                 self._dense_bias = torch.cat(pieces).float()
         out = x2.float() @ self._dense_t  # [M, N] fp32 accumulate
         if self._dense_bias is not None:
@@ -326,12 +300,6 @@ def _check_same_k(parts: list[_Normalized]) -> None:
                 f"GPTQ part {i} has K={int(p.q.shape[0])} inputs but part 0 has K={k0}; "
                 "fused parts must share the input"
             )
-
-
-def _interleave(pair: list[torch.Tensor]) -> torch.Tensor:
-    """[..., n] gate and up -> [..., 2n] with gate j at column 2j and up j at 2j + 1."""
-    gate, up = pair
-    return torch.stack((gate, up), dim=-1).flatten(-2)
 
 
 def _fusion_runs(parts: list[_Normalized]) -> list[list[int]]:

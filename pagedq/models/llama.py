@@ -32,10 +32,6 @@ from pagedq.ops.triton_loader import launch_device
 if TYPE_CHECKING:
     from pagedq.loader.weights import Checkpoint
 
-# A quantized gate/up pair is one gated GPTQLinear: its matmul writes silu(gate) * up (no
-# [T, 2I] output, no SiLU-mul launch). False: gate/up output, then `silu_mul` (for A/B runs).
-GATED_MLP = True
-
 KVCache = tuple[
     torch.Tensor, torch.Tensor
 ]  # k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]
@@ -69,15 +65,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module) -> None:
         super().__init__()
-        # [T, hidden] -> [T, 2 * intermediate]: [gate | up]; or, a gated GPTQLinear, the
-        # activation silu(gate) * up itself: [T, intermediate]
-        self.gate_up_proj = gate_up_proj
+        self.gate_up_proj = gate_up_proj  # [T, hidden] -> [T, 2 * intermediate]: [gate | up]
         self.down_proj = down_proj  # [T, intermediate] -> [T, hidden]
-        self.gated = bool(getattr(gate_up_proj, "gated", False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        return self.down_proj(h if self.gated else silu_mul(h))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -269,15 +261,12 @@ class _Builder:
         attn_names = [p + "self_attn." + n for n in ("q_proj", "k_proj", "v_proj")]
         qkv = self.linear(attn_names, [q, kv, kv], c.hidden_size, c.attention_bias)
         o = self.linear([p + "self_attn.o_proj"], [c.hidden_size], q, c.attention_bias)
-        gate_up_names = [p + "mlp.gate_proj", p + "mlp.up_proj"]
-        if GATED_MLP and all(self.quantized(n) for n in gate_up_names):
-            gate_up = self.gptq_linear(
-                gate_up_names, [c.intermediate_size] * 2, c.hidden_size, True
-            )
-        else:
-            gate_up = self.linear(
-                gate_up_names, [c.intermediate_size] * 2, c.hidden_size, c.mlp_bias
-            )
+        gate_up = self.linear(
+            [p + "mlp.gate_proj", p + "mlp.up_proj"],
+            [c.intermediate_size] * 2,
+            c.hidden_size,
+            c.mlp_bias,
+        )
         down = self.linear([p + "mlp.down_proj"], [c.hidden_size], c.intermediate_size, c.mlp_bias)
         return LlamaDecoderLayer(
             RMSNorm(self.tensor(p + "input_layernorm.weight", (c.hidden_size,)), c.rms_norm_eps),
@@ -321,9 +310,7 @@ class _Builder:
             )
         return DenseLinear(torch.cat(weights), biases)
 
-    def gptq_linear(
-        self, prefixes: list[str], out_sizes: list[int], in_size: int, gated: bool = False
-    ) -> nn.Module:
+    def gptq_linear(self, prefixes: list[str], out_sizes: list[int], in_size: int) -> nn.Module:
         from pagedq.gptq.checkpoint import read_gptq_tensors
         from pagedq.gptq.linear import GPTQLinear
 
@@ -349,7 +336,7 @@ class _Builder:
                     f"config.json implies {n}x{in_size}"
                 )
         try:
-            return GPTQLinear(parts, configs, self.dtype, self.device, gated)
+            return GPTQLinear(parts, configs, self.dtype, self.device)
         except CheckpointError as e:  # its errors count parts: name them
             raise CheckpointError(f"{', '.join(prefixes)}: {e}") from None
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from pagedq.errors import ConfigError
 
@@ -245,10 +244,8 @@ def gptq_matmul_reference(
     x: torch.Tensor,  # [..., K] (M rows)
     w: PackedGPTQWeight,
     bias: torch.Tensor | None = None,  # [N]
-    gated: bool = False,
 ) -> torch.Tensor:
-    """Dequantize then matmul with fp32 accumulation: [..., K] -> [..., N] in x's dtype; gated
-    (see `gptq_matmul`), the output rounded to x's dtype, then silu(gate) * up: [..., N / 2]."""
+    """Dequantize then matmul with fp32 accumulation: [..., K] -> [..., N] in x's dtype."""
     _check_inputs(x, w, bias)
     x2 = x.reshape(-1, w.in_features)
     if w.perm is not None:
@@ -256,41 +253,31 @@ def gptq_matmul_reference(
     out = x2.float() @ dequantize_packed(w)  # [M, N] fp32
     if bias is not None:
         out += bias.float()
-    out = out.to(x.dtype)
-    if gated:  # as the unfused model: silu in fp32 rounded to the dtype, then the product
-        out = F.silu(out[:, 0::2]) * out[:, 1::2]
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
 
 def gptq_matmul(
     x: torch.Tensor,  # [..., K] (M rows), same dtype as the weight's scales
     w: PackedGPTQWeight,
     bias: torch.Tensor | None = None,  # [N]
-    gated: bool = False,
 ) -> torch.Tensor:
-    """y = x @ W^T (+ bias): [..., K] -> [..., N] in x's dtype, on the path `select_path` picks.
-
-    gated: W's output columns alternate gate and up (column 2j is gate j, 2j + 1 is up j, as
-    `pagedq.gptq.linear` packs a gated gate/up pair), and the result is silu(gate) * up,
-    [..., N / 2]: the SiLU-gated MLP's activation, computed where the matmul writes its output.
-    """
+    """y = x @ W^T (+ bias): [..., K] -> [..., N] in x's dtype, on the path `select_path` picks."""
     path = select_path(x, w)
     if path == "torch":
-        return gptq_matmul_reference(x, w, bias, gated)
+        return gptq_matmul_reference(x, w, bias)
     _check_inputs(x, w, bias)
     x2 = x.reshape(-1, w.in_features)  # [M, K]
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
     elif x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    n_out = w.out_features // 2 if gated else w.out_features
     if x2.shape[0] == 0:
-        out = x2.new_empty((0, n_out))
+        out = x2.new_empty((0, w.out_features))
     elif path in ("cuda", "cuda_gemm"):
-        out = _launch_cuda(x2, w, bias, gemm=path == "cuda_gemm", gated=gated)
+        out = _launch_cuda(x2, w, bias, gemm=path == "cuda_gemm")
     else:
-        out = _launch_triton(x2, w, bias, small=path == "triton_small", gated=gated)
-    return out.reshape(*x.shape[:-1], n_out)
+        out = _launch_triton(x2, w, bias, small=path == "triton_small")
+    return out.reshape(*x.shape[:-1], w.out_features)
 
 
 def _check_inputs(x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None) -> None:
@@ -315,14 +302,9 @@ def _scale_mode(w: PackedGPTQWeight) -> int:
 
 
 def _launch_triton(
-    x: torch.Tensor,
-    w: PackedGPTQWeight,
-    bias: torch.Tensor | None,
-    small: bool,
-    gated: bool = False,
+    x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None, small: bool
 ) -> torch.Tensor:
-    """Run the Triton split-K GEMV (small) or tiled GEMM on x [M, K] -> [M, N] ([M, N / 2]
-    gated)."""
+    """Run the Triton split-K GEMV (small) or tiled GEMM on x [M, K] -> [M, N]."""
     from triton_kernels import gptq_configs
 
     gemv_kernel, gemm_kernel = _triton_kernels(x.device)
@@ -336,7 +318,7 @@ def _launch_triton(
     )
     if split * m * n >= 2**31:  # workspace offsets are int32 in the kernel
         split, per_split = 1, num_blocks
-    out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     args: tuple[Any, ...] = (
         x, w.qweight, w.scales, w.scales if w.zeros is None else w.zeros,
@@ -347,7 +329,7 @@ def _launch_triton(
     meta: dict[str, Any] = {
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "USE_SPLIT_K": split > 1,
         "SCALE_MODE": _scale_mode(w), "HAS_ZEROS": w.zeros is not None,
-        "HAS_BIAS": bias is not None, "SWAP_AB": bool(cfg.swap_ab), "GATED": gated,
+        "HAS_BIAS": bias is not None, "SWAP_AB": bool(cfg.swap_ab),
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
     }  # fmt: skip
     if small:
@@ -358,10 +340,10 @@ def _launch_triton(
 
 
 def _launch_cuda(
-    x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None, gemm: bool, gated: bool = False
+    x: torch.Tensor, w: PackedGPTQWeight, bias: torch.Tensor | None, gemm: bool
 ) -> torch.Tensor:
     """Run the CUDA extension's GEMV (pagedq::gptq_gemv, M <= 16) or wgmma GEMM
-    (pagedq::gptq_gemm) on x [M, K] -> [M, N] ([M, N / 2] gated)."""
+    (pagedq::gptq_gemm) on x [M, K] -> [M, N]."""
     if x.data_ptr() % 16 != 0 or x.stride(0) % 8 != 0:  # its 16-byte row copies need both
         x = x.clone(memory_format=torch.contiguous_format)
     if bias is not None:  # every input the op would reject is fixed or refused here
@@ -370,11 +352,9 @@ def _launch_cuda(
     if gemm:
         tile = cuda_gemm_tile(x.shape[0], w.out_features, w.in_features, x.device)
         return torch.ops.pagedq.gptq_gemm(
-            x, w.qweight, w.scales, w.zeros, bias, ws, w.group_size, tile, gated
+            x, w.qweight, w.scales, w.zeros, bias, ws, w.group_size, tile
         )
-    return torch.ops.pagedq.gptq_gemv(
-        x, w.qweight, w.scales, w.zeros, bias, ws, w.group_size, gated
-    )
+    return torch.ops.pagedq.gptq_gemv(x, w.qweight, w.scales, w.zeros, bias, ws, w.group_size)
 
 
 def cuda_workspace(device: torch.device) -> torch.Tensor:
