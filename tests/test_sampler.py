@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pagedq.layers.sampler import (
     Sampler,
     SamplingRow,
+    _BatchPlan,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -336,6 +337,27 @@ def test_all_greedy_batch_runs_only_argmax_and_logprob_passes(
     with _FullWidthOps(logits.numel()) as recorder:
         Sampler()(logits, [make_row(params, prompt=[1], output=[2]) for _ in range(16)])
     assert set(recorder.ops) == expected
+
+
+def test_batch_plan_groups_rows_by_params_in_batch_order() -> None:
+    """The stages' row lists come from each distinct params object once, in batch order, as a
+    row-by-row pass would give them (equal params that are distinct objects included)."""
+    hot = SamplingParams(temperature=0.7, repetition_penalty=1.2, logprobs=3)
+    twin = SamplingParams(temperature=0.7, repetition_penalty=1.2, logprobs=3)
+    extra = SamplingParams(temperature=1.0, presence_penalty=0.5, min_tokens=3)
+    params = [hot, GREEDY, extra, twin, GREEDY, hot]
+    rows = [make_row(p, prompt=[5, 6], output=[7], stop=[1]) for p in params]
+    plan = _BatchPlan.of(rows)
+    assert plan.sampled == [0, 2, 3, 5]
+    assert plan.repetition == [0, 3, 5]
+    assert plan.additive == [2]
+    assert plan.min_tokens == [2]  # one output token < 3, and stop ids to mask
+    assert plan.num_top == [3, None, None, 3, None, 3] and plan.max_top == 3
+    uniform = _BatchPlan.of([make_row(extra, output=[7], stop=[1]) for _ in range(3)])
+    assert uniform.sampled == uniform.additive == uniform.min_tokens == [0, 1, 2]
+    assert uniform.repetition == [] and uniform.num_top == [None] * 3 and uniform.max_top == 0
+    done = _BatchPlan.of([make_row(extra, output=[7, 8, 9], stop=[1])])
+    assert done.min_tokens == []  # three output tokens: min_tokens reached
 
 
 @pytest.mark.parametrize(

@@ -184,24 +184,27 @@ class Scheduler:
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledChunk:
         """Record a chunk and share the blocks it fills (see BlockManager.cache_full_blocks)."""
         chunk = ScheduledChunk.of(seq, num_new)
-        self.bm.cache_full_blocks(seq, chunk.start + num_new)
+        end = chunk.start + num_new
+        if end // self.bm.block_size > seq.num_hashed_blocks:  # else no block filled (decode)
+            self.bm.cache_full_blocks(seq, end)
         return chunk
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledChunk], list[Sequence], int]:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
+        running, allocate, scheduled = self.running, self.bm.allocate, self._scheduled  # hot loop
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.allocate(seq, num_new):
-                victim = self.running[-1]
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not allocate(seq, num_new):
+                victim = running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                chunks.append(self._scheduled(seq, num_new))
+                chunks.append(scheduled(seq, num_new))
                 budget -= num_new
                 i += 1
         return chunks, preempted, budget
