@@ -346,13 +346,17 @@ class PendingSample:
         self._max_top = max_top
         self._copied = copied
 
+    def wait(self) -> None:
+        """Block until the copy to the host has landed (at once on the CPU)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
     def result(self) -> SamplerOutput:
         """Wait for the copy; the tokens, their raw log-probs and the top ones as Python
         values."""
         if self._host is None:
             return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
-        if self._copied is not None:
-            self._copied.synchronize()
+        self.wait()
         host, num_top, max_top = self._host, self._num_top, self._max_top
         top_logprobs: list[dict[int, float] | None] = [None] * len(num_top)
         if max_top:
