@@ -87,8 +87,8 @@ def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
 @dataclass(slots=True)
 class _BatchPlan:
     """Which rows each stage touches (indices into the batch, ascending), from the rows'
-    params: one pass per distinct SamplingParams object, not per row (a batch usually shares
-    one: B=256 greedy, 60 µs of host time per step per row-by-row pass on a CPU)."""
+    params: one pass per distinct SamplingParams object, not per row. A batch usually shares
+    one (B=256 greedy on the CPU machine: 5.6 µs per step, 20 row by row)."""
 
     sampled: list[int]  # rows that are not greedy
     min_tokens: list[int]  # rows whose stop ids are masked this step
@@ -102,7 +102,8 @@ class _BatchPlan:
         params = [row.params for row in rows]
         first = params[0]
         groups: list[tuple[SamplingParams, Sequence[int]]]
-        if params.count(first) == len(params):  # a C loop: `is` before `==`
+        # equal params decide alike; list.count tries `is` before `==`: a C loop when shared
+        if params.count(first) == len(params):
             groups = [(first, range(len(rows)))]
             num_top = [first.logprobs] * len(rows)
         else:
