@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session step on the H200 (run from the repo root through the device tool).
 # Usage: bench/gpu_run.sh STAGE...   stages: peers smol-a smol-b tests attn-tests gptq-tests attn
-#   gptq gptq-variants engine interop-tests graph-tests engine-decode host
+#   gptq gptq-variants engine interop-tests graph-tests engine-decode host prefix
 # Logs go to $OUT (or ./gpu-logs); a short table is printed last by each bench.
 set -uo pipefail
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -26,6 +26,7 @@ for stage in "$@"; do
     graph-tests) python3 -m pytest -q tests/test_cuda_graphs_gpu.py tests/test_fused_ops.py -p no:cacheprovider 2>&1 | tee "$out/graph_tests.log" ;;
     engine-decode) python3 bench/bench_engine_decode.py --out "$out" 2>&1 | tee "$out/bench_engine_decode.log" ;;
     host) python3 bench/bench_host.py --out "$out" 2>&1 | tee "$out/bench_host.log" ;;
+    prefix) python3 bench/bench_prefix_overhead.py --out "$out" 2>&1 | tee "$out/bench_prefix.log" ;;
     interop-tests) python3 -m pytest -q tests/test_gptq_interop.py -p no:cacheprovider 2>&1 | tee "$out/interop_tests.log" ;;
     attn) python3 bench/bench_attention.py --out "$out" 2>&1 | tee "$out/bench_attention.log" ;;
     gptq) python3 bench/bench_gptq.py --out "$out" 2>&1 | tee "$out/bench_gptq.log" ;;
