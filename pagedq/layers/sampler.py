@@ -251,13 +251,13 @@ def _exponential_noise(
     q = torch.empty_like(probs)
     if any(g is None for g in generators):
         q.exponential_()
-    for j, gen in enumerate(generators):
+    for row, gen in zip(q.unbind(0), generators, strict=True):  # one call for every row view
         if gen is None:
             continue
         if gen.device == q.device:
-            q[j].exponential_(generator=gen)
+            row.exponential_(generator=gen)
         else:
-            q[j] = torch.empty(q.shape[1], device=gen.device).exponential_(generator=gen)
+            row.copy_(torch.empty(q.shape[1], device=gen.device).exponential_(generator=gen))
     # Exp(1) may round to 0; a floor keeps 0 / q finite for masked tokens (no NaN winners).
     return q.clamp_(min=torch.finfo(q.dtype).tiny)
 
