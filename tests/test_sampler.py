@@ -37,17 +37,16 @@ def make_row(
     *,
     prompt: Sequence[int] = (),
     output: Sequence[int] = (),
-    generator: torch.Generator | None = None,
+    seed: int | None = None,
     stop: Iterable[int] = (),
 ) -> SamplingRow:
     tokens = [*prompt, *output]
-    return SamplingRow(params, tokens, len(prompt), generator, frozenset(stop))
+    return SamplingRow(params, tokens, len(prompt), seed, frozenset(stop))
 
 
-def seeded_row(seed: int, device: str, **params: object) -> SamplingRow:
-    """A sampled row with its own generator on `device`, as the engine builds it."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    return make_row(SamplingParams(seed=seed, **params), generator=generator)  # type: ignore[arg-type]
+def seeded_row(seed: int, **params: object) -> SamplingRow:
+    """A sampled row with its own seed, as the engine builds it for completion 0."""
+    return make_row(SamplingParams(seed=seed, **params), seed=seed)  # type: ignore[arg-type]
 
 
 def kept(logits: torch.Tensor) -> list[set[int]]:
@@ -218,8 +217,15 @@ def test_mixed_batch_greedy_rows_take_argmax(device: str) -> None:
 def _run_steps(
     sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], steps: int = 4
 ) -> list[list[int]]:
-    """Token ids of `steps` calls on the same logits and rows."""
-    return [sampler(logits, rows).token_ids for _ in range(steps)]
+    """Token ids of `steps` calls on the same logits and rows, each row's token appended after
+    each call (as the engine does: a seeded row's next draw is at its next position)."""
+    out = []
+    for _ in range(steps):
+        ids = sampler(logits, rows).token_ids
+        for row, token in zip(rows, ids, strict=True):
+            row.token_ids.append(token)  # type: ignore[attr-defined]
+        out.append(ids)
+    return out
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -230,14 +236,13 @@ def test_seeds_are_reproducible_and_independent_of_the_batch(device: str) -> Non
     params = {"top_p": 0.9, "temperature": 0.8}
 
     def alone(seed: int) -> list[int]:
-        row = seeded_row(seed, device, **params)
-        return [sampler(flat, [row]).token_ids[0] for _ in range(4)]
+        return [step[0] for step in _run_steps(sampler, flat, [seeded_row(seed, **params)])]
 
     batch = [  # other rows around, seeds in another order, other params
         make_row(SamplingParams()),
-        seeded_row(8, device, **params),
+        seeded_row(8, **params),
         make_row(),
-        seeded_row(7, device, **params),
+        seeded_row(7, **params),
         make_row(SamplingParams(top_k=3, min_p=0.1)),
     ]
     mixed = _run_steps(sampler, flat.expand(5, 1000), batch)
@@ -245,6 +250,7 @@ def test_seeds_are_reproducible_and_independent_of_the_batch(device: str) -> Non
     assert [step[1] for step in mixed] == alone(8)
     assert alone(7) == alone(7)
     assert alone(7) != alone(8)
+    assert len(set(alone(7))) > 1  # each position draws anew
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -400,12 +406,15 @@ def test_empirical_frequencies_match_softmax_over_temperature(device: str) -> No
 
 
 def test_seeded_draws_follow_the_distribution() -> None:
+    """Across seeds (one position each), and along the positions of one seed."""
     draws = 4_000
-    generator = torch.Generator().manual_seed(6)
     base = torch.tensor([0.0, 1.0, -1.0, 0.5])
-    rows = [make_row(SamplingParams(seed=6), generator=generator)] * draws
+    expected = torch.softmax(base.double(), 0)
+    rows = [make_row(SamplingParams(seed=s), seed=s) for s in range(draws)]
     out = Sampler()(base.expand(draws, 4), rows)
-    _assert_matches(_frequencies(out.token_ids, 4), torch.softmax(base.double(), 0), draws)
+    _assert_matches(_frequencies(out.token_ids, 4), expected, draws)
+    steps = _run_steps(Sampler(), base.unsqueeze(0), [seeded_row(6)], steps=draws)
+    _assert_matches(_frequencies([ids[0] for ids in steps], 4), expected, draws)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -431,11 +440,3 @@ def test_cuda_matches_cpu_for_greedy_and_logprobs() -> None:
     cpu, cuda = Sampler()(logits, rows), Sampler()(logits.cuda(), rows)
     assert cpu.token_ids == cuda.token_ids
     assert cpu.logprobs == pytest.approx(cuda.logprobs, abs=1e-4)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(_NO_CUDA, reason="needs CUDA")
-def test_cuda_logits_with_a_cpu_generator() -> None:
-    logits = torch.zeros(1, 1000, device="cuda")
-    out = [Sampler()(logits, [seeded_row(9, "cpu")]).token_ids for _ in range(2)]
-    assert out[0] == out[1]

@@ -209,15 +209,14 @@ class Engine:
         seq.extra["text"] = ""
         seq.extra["logprobs"] = [] if req.params.logprobs is not None else None
         seq.extra["cum_logprob"] = 0.0
-        gen = None
+        seed = None  # completion `index` of a seeded request: its own stream
         if req.params.seed is not None:
-            gen = torch.Generator(device=self.resolved.device)
-            gen.manual_seed((req.params.seed + index) & 0xFFFFFFFFFFFF)
+            seed = (req.params.seed + index) & 0xFFFFFFFFFFFF
         seq.extra["row"] = SamplingRow(
             params=req.params,
             token_ids=seq.token_ids,
             num_prompt_tokens=seq.num_prompt_tokens,
-            generator=gen,
+            seed=seed,
             stop_token_ids=req.stop_ids,
         )
         req.seqs.append(seq)

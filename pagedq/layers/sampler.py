@@ -11,8 +11,9 @@ row of the batch uses it:
 4. greedy rows: argmax (ties go to the lowest id);
 5. sampled rows: temperature, top-k, top-p, min-p (each keeps at least one token), then an
    exponential race: `argmax(probs / q)` with `q ~ Exp(1)` picks token i with probability
-   `probs[i]`. A seeded row draws its `q` from its own generator, one `[vocab]` draw per
-   step, so its tokens do not depend on the other rows of the batch or on their order.
+   `probs[i]`. A seeded row's `q` is a pure function of its seed and output position
+   (`pagedq.ops.noise`: Philox, one launch for all seeded rows), so its tokens do not depend
+   on the other rows of the batch, their order, or anything the device's RNG did before.
 
 Everything the host reads back (tokens, log-probs, top log-probs) comes in one transfer.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedq.ops.noise import seeded_exponential
 from pagedq.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
@@ -37,7 +39,8 @@ class SamplingRow:
     params: SamplingParams
     token_ids: Sequence[int]  # prompt then output so far (read, never copied, unless penalised)
     num_prompt_tokens: int
-    generator: torch.Generator | None  # per-request RNG (seeded requests); None: global RNG
+    seed: int | None  # the sequence's noise seed (seeded requests, 0 <= seed < 2**63); None:
+    # the global torch RNG
     stop_token_ids: frozenset[int]  # masked while len(output) < params.min_tokens (eos ∪ stop)
 
     @property
@@ -244,20 +247,24 @@ def apply_min_p(
     return logits.masked_fill(logits < threshold, -math.inf)
 
 
-def _exponential_noise(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
-    """q ~ Exp(1) shaped like probs [rows, vocab]; row j from `generators[j]` when set."""
-    q = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        q.exponential_()
-    for row, gen in zip(q.unbind(0), generators, strict=True):  # one call for every row view
-        if gen is None:
-            continue
-        if gen.device == q.device:
-            row.exponential_(generator=gen)
-        else:
-            row.copy_(torch.empty(q.shape[1], device=gen.device).exponential_(generator=gen))
+def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """q ~ Exp(1) shaped like probs [rows, vocab] (float32): a seeded row's from its seed and
+    the position of the token it samples (its output length), the others' from the global
+    RNG."""
+    index = [j for j, row in enumerate(rows) if row.seed is not None]
+    if not index:
+        return _floored(torch.empty_like(probs).exponential_())
+    seeds = [row.seed for row in rows if row.seed is not None]
+    steps = [rows[j].num_output_tokens for j in index]
+    noise = seeded_exponential(seeds, steps, probs.shape[1], probs.device)
+    if len(index) == len(rows):
+        return _floored(noise)
+    q = torch.empty_like(probs).exponential_()
+    q[torch.tensor(index, device=probs.device)] = noise
+    return _floored(q)
+
+
+def _floored(q: torch.Tensor) -> torch.Tensor:
     # Exp(1) may round to 0; a floor keeps 0 / q finite for masked tokens (no NaN winners).
     return q.clamp_(min=torch.finfo(q.dtype).tiny)
 
@@ -279,16 +286,15 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
     if any(p > 0.0 for p in min_p):
         x = apply_min_p(x, min_p)
     probs = torch.softmax(x, dim=-1)
-    q = _exponential_noise(probs, [r.generator for r in rows])
+    q = _exponential_noise(probs, rows)
     return torch.argmax(probs / q, dim=-1)
 
 
 class Sampler:
     """Turns a batch of logits into one token per row, following each row's params.
 
-    Stateless: randomness comes from the rows' generators or the global torch RNG. Works on
-    CPU and CUDA tensors; a row's generator should live on the logits' device (another
-    device works, through a copy per step).
+    Stateless: randomness comes from the rows' seeds or the global torch RNG. Works on
+    CPU and CUDA tensors.
     """
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:

@@ -1,0 +1,107 @@
+"""Seeded sampling noise (pagedq/ops/noise.py): the Philox generator against its published
+known answers, the Triton kernel (CPU interpreter; GPU marked) against the PyTorch reference,
+and the properties the sampler relies on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedq.ops.noise import philox4x32, reference_seeded_exponential, seeded_exponential
+from pagedq.ops.triton_loader import load_kernels
+
+# Philox4x32-10 known-answer tests of Random123 (kat_vectors): counter, key -> output
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
+ROOT = Path(__file__).resolve().parents[1]
+SEEDS = [0, 1, 2**40 + 7, 2**63 - 1, 123_456_789]
+STEPS = [0, 5, 2**32 - 1, 17, 1_000]
+
+
+def _words(*values: int) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.tensor([v], dtype=torch.int64) for v in values)
+
+
+@pytest.mark.parametrize(("counter", "key", "expected"), KAT)
+def test_philox_matches_the_published_answers(counter, key, expected) -> None:  # type: ignore[no-untyped-def]
+    out = philox4x32(_words(*counter), _words(*key))  # type: ignore[arg-type]
+    assert tuple(int(w) for w in out) == expected
+
+
+def test_triton_kernel_matches_the_reference() -> None:
+    """The kernel in the interpreter: the same Philox words, so the same noise up to the last
+    bits of log; 3,000 columns cover a partial block."""
+    seeds, steps = torch.tensor(SEEDS), torch.tensor(STEPS)
+    got = torch.empty(len(SEEDS), 3000)
+    load_kernels("triton_kernels.seeded_noise", torch.device("cpu")).launch(seeds, steps, got)
+    torch.testing.assert_close(got, reference_seeded_exponential(seeds, steps, 3000))
+
+
+def test_reference_noise_is_exp1_and_a_function_of_seed_step_and_column() -> None:
+    seeds, steps = torch.arange(64), torch.full((64,), 3)
+    q = reference_seeded_exponential(seeds, steps, 4000)
+    assert q.dtype == torch.float32 and bool((q >= 0).all())
+    assert abs(q.mean().item() - 1.0) < 0.01 and abs(q.var().item() - 1.0) < 0.03
+    alone = reference_seeded_exponential(seeds[5:6], steps[5:6], 1000)
+    assert torch.equal(q[5, :1000], alone[0])  # nor on the batch, nor on the vocab size
+    assert not torch.equal(alone, reference_seeded_exponential(seeds[5:6], steps[5:6] + 1, 1000))
+    assert not torch.equal(alone, reference_seeded_exponential(seeds[6:7], steps[5:6], 1000))
+
+
+def test_cpu_noise_is_exp1_and_a_function_of_seed_and_step() -> None:
+    cpu = torch.device("cpu")
+    q = seeded_exponential(list(range(64)), [3] * 64, 4000, cpu)
+    assert q.dtype == torch.float32 and bool((q >= 0).all())
+    assert abs(q.mean().item() - 1.0) < 0.01 and abs(q.var().item() - 1.0) < 0.03
+    alone = seeded_exponential([5], [3], 4000, cpu)
+    assert torch.equal(q[5], alone[0])  # the rest of the batch does not matter
+    assert not torch.equal(alone, seeded_exponential([5], [4], 4000, cpu))  # the next position
+    assert not torch.equal(alone, seeded_exponential([6], [3], 4000, cpu))  # another seed
+
+
+@pytest.mark.parametrize(
+    ("seeds", "steps", "match"), [([-1], [0], "seed -1"), ([0], [2**32], "step")]
+)
+def test_out_of_range_values_are_refused(seeds, steps, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=match):
+        seeded_exponential(seeds, steps, 10, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kernel_matches_the_reference() -> None:
+    got = seeded_exponential(SEEDS, STEPS, 32000, torch.device("cuda")).cpu()
+    want = reference_seeded_exponential(torch.tensor(SEEDS), torch.tensor(STEPS), 32000)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_compiles_for_sm90() -> None:
+    """The interpreter does not type-check like the compiler (it took Python-int globals that
+    the compiler refuses): compile the kernel for an H100/H200 offline, in a fresh process."""
+    pytest.importorskip("triton.backends.nvidia")
+    code = (
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "import triton\n"
+        "from triton_kernels.seeded_noise import _seeded_exponential_kernel as k\n"
+        "sig = {'seeds_ptr': '*i64', 'steps_ptr': '*i64', 'out_ptr': '*fp32', 'VOCAB': 'i32',\n"
+        "       'BLOCK': 'constexpr'}\n"
+        "src = ASTSource(k, sig, {(k.arg_names.index('BLOCK'),): 1024})\n"
+        "ptx = triton.compile(src, target=GPUTarget('cuda', 90, 32)).asm['ptx']\n"
+        "assert 'mul.hi.u32' in ptx\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
