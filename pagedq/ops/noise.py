@@ -81,8 +81,7 @@ def seeded_exponential(
         for row, seed, step in zip(out.unbind(0), seeds, steps, strict=True):
             row.exponential_(generator=torch.Generator().manual_seed(_mix(seed, step)))
         return out.to(device)
-    seed_t = torch.tensor(list(seeds), dtype=torch.int64, device=device)
-    step_t = torch.tensor(list(steps), dtype=torch.int64, device=device)
+    seed_t, step_t = torch.tensor([list(seeds), list(steps)], dtype=torch.int64, device=device)
     if env_backend(BACKEND_ENV, device) == "torch":
         return reference_seeded_exponential(seed_t, step_t, vocab)
     out = torch.empty((len(seeds), vocab), dtype=torch.float32, device=device)
