@@ -19,7 +19,7 @@ from pagedq.errors import SamplingParamsError
 GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token
 MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
-_MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64-bit seeds
+_MAX_SEED = 2**64 - 1  # 64-bit seeds; completion i draws from (seed + i) mod 2**48
 
 
 def _as_int(name: str, value: object) -> int:
