@@ -90,10 +90,12 @@ def seeded_exponential(
 
 
 def _mix(seed: int, step: int) -> int:
-    """A 63-bit seed for (seed, step): splitmix64's finaliser over both."""
-    x = seed
-    for value in (step, 0x9E3779B97F4A7C15):
-        x = (x ^ value) * 0xBF58476D1CE4E5B9 & _MASK64
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
-        x ^= x >> 31
-    return x & MAX_SEED
+    """A 63-bit generator seed for (seed, step): two splitmix64 steps."""
+    return _splitmix64(_splitmix64(seed) ^ step) & MAX_SEED
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
