@@ -440,3 +440,29 @@ def test_cuda_matches_cpu_for_greedy_and_logprobs() -> None:
     cpu, cuda = Sampler()(logits, rows), Sampler()(logits.cuda(), rows)
     assert cpu.token_ids == cuda.token_ids
     assert cpu.logprobs == pytest.approx(cuda.logprobs, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_CUDA, reason="needs CUDA")
+def test_sampled_launch_does_not_wait_for_the_device() -> None:
+    """Queuing a step's sampling (temperature, top-k/top-p, min-p, seeded and unseeded rows,
+    top log-probs) must not synchronise: with launch-ahead the forward is still running. Small
+    per-row tensors go through pinned memory (`pagedq.ops.transfer.to_device`)."""
+    logits = torch.randn(8, 1000, device="cuda")
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=2),
+        SamplingParams(temperature=0.7, top_k=5, min_p=0.05),
+        SamplingParams(temperature=0.0),
+    ]
+    rows = [
+        make_row(params[i % 3], output=[3] * i, seed=i if i % 3 == 0 else None) for i in range(8)
+    ]
+    sampler = Sampler()
+    sampler.launch(logits, rows).result()  # warm-up: kernels compiled, pinned blocks cached
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = sampler.launch(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(pending.result().token_ids) == 8

@@ -40,6 +40,7 @@ import torch
 
 from pagedq.models.llama import KVCache, LlamaForCausalLM
 from pagedq.ops.attention import AttentionMetadata
+from pagedq.ops.transfer import to_device
 
 # Padded batch sizes; each step pads to the next one (at most a third of a step is padding
 # above 8 sequences). Larger decode batches run eagerly: their launches cost less than the math.
@@ -101,9 +102,7 @@ class PendingTokens:
 
     def write(self, ids: torch.Tensor) -> None:
         """Put the tokens into the step's input ids (on the device, queued on the stream)."""
-        index = torch.tensor([self.at, self.rows], dtype=torch.int64)
-        if ids.is_cuda:
-            index = index.pin_memory().to(ids.device, non_blocking=True)
+        index = to_device([self.at, self.rows], torch.int64, ids.device)
         ids[index[0]] = self.tokens[index[1]].to(ids.dtype)
 
 

@@ -41,6 +41,7 @@ from pagedq.errors import (
 from pagedq.layers.sampler import PendingSample, Sampler, SamplingRow
 from pagedq.loader.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedq.models.llama import load_llama
+from pagedq.ops.transfer import to_device
 from pagedq.outputs import CompletionOutput, RequestOutput
 from pagedq.sampling_params import SamplingParams
 
@@ -359,7 +360,7 @@ class Engine:
         seqs = [c.seq for c in out.chunks if c.samples]
         if any(s.is_finished for s in seqs):  # aborted since the step was launched ahead
             live = [i for i, s in enumerate(seqs) if not s.is_finished]
-            logits = logits.index_select(0, torch.tensor(live).to(logits.device))
+            logits = logits.index_select(0, to_device(live, torch.int64, logits.device))
             seqs = [seqs[i] for i in live]
         rows_of_seq: list[list[Sequence]] = []
         for seq in seqs:
@@ -373,7 +374,7 @@ class Engine:
             return []
         if len(rows) > len(seqs):  # forked rows sample from their parent's logits
             index = [i for i, g in enumerate(rows_of_seq) for _ in g]
-            logits = logits.index_select(0, torch.tensor(index).to(logits.device))
+            logits = logits.index_select(0, to_device(index, torch.int64, logits.device))
         result = self.sampler(logits, [self._row(s) for s in rows])
         for i, seq in enumerate(rows):
             self._append(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])

@@ -14,6 +14,7 @@ from pagedq.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedq.engine.sequence import PENDING_TOKEN
 from pagedq.models.llama import LlamaForCausalLM, allocate_kv_caches
 from pagedq.ops.attention import AttentionMetadata
+from pagedq.ops.transfer import to_device
 from pagedq.ops.triton_loader import launch_device
 
 # a decode batch's shared leading pages go through the cascade path from this many on:
@@ -97,8 +98,7 @@ class ModelRunner:
     def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        src, dst = to_device(list(zip(*pairs, strict=True)), torch.int64, self.device)
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
@@ -129,19 +129,19 @@ class ModelRunner:
         shared = shared_prefix_len(tables, seq_lens, bs) if decode else 0
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=_tensor(slots, torch.int64, dev),
-            block_tables=_tensor(tables, torch.int32, dev),
-            seq_lens=_tensor(seq_lens, torch.int32, dev),
-            query_start_loc=_tensor(starts, torch.int32, dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            block_tables=to_device(tables, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            query_start_loc=to_device(starts, torch.int32, dev),
             max_query_len=max(c.num_tokens for c in chunks),
             max_seq_len=max(seq_lens),
             shared_prefix_len=shared,
         )
         return (
-            _tensor(tokens, torch.int64, dev),
-            _tensor(positions, torch.int64, dev),
+            to_device(tokens, torch.int64, dev),
+            to_device(positions, torch.int64, dev),
             meta,
-            _tensor(last, torch.int64, dev),
+            to_device(last, torch.int64, dev),
         )
 
 
@@ -184,11 +184,3 @@ def shared_prefix_len(tables: list[list[int]], seq_lens: list[int], block_size: 
     while shared < limit and lo[shared] == hi[shared]:
         shared += 1
     return shared * block_size if shared >= CASCADE_MIN_BLOCKS else 0
-
-
-def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host tensor moved without blocking (pinned on CUDA so the copy is asynchronous)."""
-    t = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t

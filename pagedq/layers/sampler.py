@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from pagedq.ops.noise import seeded_exponential
+from pagedq.ops.transfer import to_device
 from pagedq.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
@@ -79,12 +80,12 @@ def _scatter_index(
     inside = (cols >= 0) & (cols < vocab)
     if not inside.all():
         rows, cols = rows[inside], cols[inside]
-    return torch.from_numpy(rows).to(device), torch.from_numpy(cols).to(device)
+    return to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
     """Per-row scalars as a [rows, 1] float32 column on `device`."""
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return to_device(values, torch.float32, device).unsqueeze(1)
 
 
 @dataclass(slots=True)
@@ -142,7 +143,7 @@ def apply_min_tokens(
     """Mask (in place) the stop ids of rows `targets`: logits [rows, vocab]."""
     ids = [rows[i].stop_token_ids for i in targets]
     index = _scatter_index(ids, targets, logits.shape[1], logits.device)
-    logits.index_put_(index, torch.tensor(-math.inf, device=logits.device))
+    logits.index_put_(index, torch.full((), -math.inf, device=logits.device))
 
 
 def apply_penalties(
@@ -172,7 +173,7 @@ def _apply_repetition(
     owners = [i for i in idx for _ in range(2)]
     seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)  # [rows, vocab]
     index = _scatter_index(seqs, owners, logits.shape[1], device)
-    seen.index_put_(index, torch.tensor(True, device=device))
+    seen.index_put_(index, torch.ones((), dtype=torch.bool, device=device))
     penalty = torch.ones(logits.shape[0], 1, dtype=logits.dtype, device=device)  # [rows, 1]
     penalty[list(idx)] = _column([rows[i].params.repetition_penalty for i in idx], device)
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -193,7 +194,7 @@ def _apply_presence_frequency(
     presence = _column([rows[i].params.presence_penalty for i in idx], device)
     frequency = _column([rows[i].params.frequency_penalty for i in idx], device)
     delta = counts * frequency + (counts > 0).to(logits.dtype) * presence  # [len(idx), vocab]
-    logits.index_add_(0, torch.tensor(list(idx), device=device), delta, alpha=-1.0)
+    logits.index_add_(0, to_device(list(idx), torch.int64, device), delta, alpha=-1.0)
 
 
 def apply_top_k_top_p(
@@ -228,7 +229,7 @@ def _mask_below_kth(
     descending: torch.Tensor,  # [rows, >= max(k)] each row's largest logits, descending
     k: Sequence[int],
 ) -> torch.Tensor:
-    index = torch.tensor(k, device=logits.device).unsqueeze(1) - 1
+    index = to_device(k, torch.int64, logits.device).unsqueeze(1) - 1
     kth = descending.gather(1, index)  # [rows, 1]
     return logits.masked_fill(logits < kth, -math.inf)
 
@@ -260,7 +261,7 @@ def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     if len(index) == len(rows):
         return _floored(noise)
     q = torch.empty_like(probs).exponential_()
-    q[torch.tensor(index, device=probs.device)] = noise
+    q[to_device(index, torch.int64, probs.device)] = noise
     return _floored(q)
 
 
@@ -331,7 +332,7 @@ class Sampler:
             return sample_rows(logits, rows)
         tokens = torch.argmax(logits, dim=-1)
         if sampled:
-            index = torch.tensor(sampled, device=logits.device)
+            index = to_device(sampled, torch.int64, logits.device)
             tokens[index] = sample_rows(logits[index], [rows[i] for i in sampled])
         return tokens
 

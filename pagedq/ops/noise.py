@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedq.ops.transfer import to_device
 from pagedq.ops.triton_loader import env_backend, load_kernels
 
 BACKEND_ENV = "PAGEDQ_FUSED_BACKEND"
@@ -81,7 +82,7 @@ def seeded_exponential(
         for row, seed, step in zip(out.unbind(0), seeds, steps, strict=True):
             row.exponential_(generator=torch.Generator().manual_seed(_mix(seed, step)))
         return out.to(device)
-    seed_t, step_t = torch.tensor([list(seeds), list(steps)], dtype=torch.int64, device=device)
+    seed_t, step_t = to_device([list(seeds), list(steps)], torch.int64, device)
     if env_backend(BACKEND_ENV, device) == "torch":
         return reference_seeded_exponential(seed_t, step_t, vocab)
     out = torch.empty((len(seeds), vocab), dtype=torch.float32, device=device)
