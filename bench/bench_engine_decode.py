@@ -21,6 +21,7 @@ import datetime
 import json
 import statistics
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,13 @@ def environment(llm: LLM) -> dict[str, Any]:
     }
 
 
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """The lines of a Markdown table: the header, its rule, one line per row of cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
 def save_result(
     out: Path, name: str, env: dict[str, Any], rows: list[dict[str, Any]], lines: list[str]
 ) -> None:
@@ -202,16 +210,16 @@ def write(rows: list[dict[str, Any]], llm: LLM, out: Path) -> None:
         "",
         "tok/s (ms/step) per mode:",
         "",
-        "| B | " + " | ".join(MODES) + " | target tok/s |",
-        "| --- |" + " --- |" * len(MODES) + " --- |",
     ]
-    for b in BATCHES:
-        cells = [by[(m, b)] for m in MODES]
-        lines.append(
-            f"| {b} | "
-            + " | ".join(f"{r['tokens_per_s']:.0f} ({r['ms_per_step']:.2f})" for r in cells)
-            + f" | {TARGETS[b]} |"
-        )
+    lines += markdown_table(
+        ["B", *MODES, "target tok/s"],
+        (
+            [b]
+            + [f"{by[(m, b)]['tokens_per_s']:.0f} ({by[(m, b)]['ms_per_step']:.2f})" for m in MODES]
+            + [TARGETS[b]]
+            for b in BATCHES
+        ),
+    )
     save_result(out, "engine_decode", env, rows, lines)
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from bench.bench_engine_decode import VOCAB, save_result, write_model
+from bench.bench_engine_decode import VOCAB, markdown_table, save_result, write_model
 from pagedq import LLM, SamplingParams
 
 BATCH, PROMPT_TOKENS, NEW_TOKENS = 256, 8, 128
@@ -81,10 +81,10 @@ def instrumented_llm(folder: Path, device: str) -> tuple[LLM, Clock]:
     scheduler = engine.scheduler
     scheduler.schedule = clock.wrap("scheduler", scheduler.schedule)  # type: ignore[method-assign]
     scheduler.commit = clock.wrap("scheduler", scheduler.commit)  # type: ignore[method-assign]
-    sampler = engine.sampler
+    launch = clock.wrap("sampler", engine.sampler.launch)
 
     def sample(logits: torch.Tensor, rows: Any) -> Any:
-        pending = clock.wrap("sampler", sampler.launch)(logits, rows)
+        pending = launch(logits, rows)
         clock.wrap("sampler wait", pending.wait)()  # the device's part (CUDA), on its own
         return clock.wrap("sampler", pending.result)()
 
@@ -162,16 +162,26 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         "",
         "ms per step (median of the timed runs):",
         "",
-        "| sampling | wall | scheduler + block manager | sampler (host) | scheduler + sampler "
-        "| target | sampler's device wait | rest of the engine |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    lines += [
-        f"| {r['sampling']} | {r['wall']:.3f} | {r['scheduler']:.3f} | {r['sampler']:.3f} | "
-        f"{r['scheduler'] + r['sampler']:.3f} | < {TARGET_MS} | {r['sampler wait']:.3f} | "
-        f"{r['rest']:.3f} |"
-        for r in rows
+    header = [
+        "sampling",
+        "wall",
+        "scheduler + block manager",
+        "sampler (host)",
+        "scheduler + sampler",
+        "target",
+        "sampler's device wait",
+        "rest of the engine",
     ]
+    lines += markdown_table(
+        header,
+        (
+            [r["sampling"], f"{r['wall']:.3f}", f"{r['scheduler']:.3f}", f"{r['sampler']:.3f}",
+             f"{r['scheduler'] + r['sampler']:.3f}", f"< {TARGET_MS}",
+             f"{r['sampler wait']:.3f}", f"{r['rest']:.3f}"]
+            for r in rows
+        ),
+    )  # fmt: skip
     save_result(args.out, "host", env, rows, lines)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from bench.bench_engine_decode import VOCAB, save_result, write_model
+from bench.bench_engine_decode import VOCAB, markdown_table, save_result, write_model
 from pagedq import LLM, SamplingParams
 
 BATCH = 64
@@ -117,14 +117,15 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, device: str) -> 
         f"{' --small' if args.small else ''}`; {model}, batch {BATCH}, median of "
         f"{args.repeats} alternated rounds.",
         "",
-        "| case | caching on (s) | caching off (s) | on / off | hit tokens | target |",
-        "| --- | --- | --- | --- | --- | --- |",
     ]
-    lines += [
-        f"| {r['case']} | {r['on']:.4f} | {r['off']:.4f} | {r['ratio']:.4f} | "
-        f"{r['hit_tokens']} | < {TARGET} |"
-        for r in rows
-    ]
+    lines += markdown_table(
+        ["case", "caching on (s)", "caching off (s)", "on / off", "hit tokens", "target"],
+        (
+            [r["case"], f"{r['on']:.4f}", f"{r['off']:.4f}", f"{r['ratio']:.4f}",
+             r["hit_tokens"], f"< {TARGET}"]
+            for r in rows
+        ),
+    )  # fmt: skip
     save_result(args.out, "prefix_overhead", env, rows, lines)
 
 

@@ -74,9 +74,9 @@ def seeded_exponential(
 ) -> torch.Tensor:
     """[len(seeds), vocab] fp32 noise on `device`: row r from (seeds[r], steps[r])."""
     for name, values, limit in (("seed", seeds, MAX_SEED), ("step", steps, MAX_STEP)):
-        bad = [v for v in values if not 0 <= v <= limit]
-        if bad:
-            raise ValueError(f"{name} {bad[0]} is outside [0, {limit}]")
+        if values and (min(values) < 0 or max(values) > limit):  # C loops: a per-step check
+            bad = next(v for v in values if not 0 <= v <= limit)
+            raise ValueError(f"{name} {bad} is outside [0, {limit}]")
     if device.type != "cuda":
         out = torch.empty((len(seeds), vocab), dtype=torch.float32)
         for row, seed, step in zip(out.unbind(0), seeds, steps, strict=True):
