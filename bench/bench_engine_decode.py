@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -185,6 +187,11 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> l
     return lines
 
 
+def command_line() -> str:
+    """This run's exact command, as the results record it."""
+    return "PYTHONPATH=. " + " ".join(["python3", *map(shlex.quote, sys.argv)])
+
+
 def save_result(
     out: Path, name: str, env: dict[str, Any], rows: list[dict[str, Any]], lines: list[str]
 ) -> None:
@@ -206,7 +213,7 @@ def write(rows: list[dict[str, Any]], llm: LLM, out: Path) -> None:
         f"# W2 engine decode, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
         f"{stamp} UTC",
         "",
-        "Command: `PYTHONPATH=. python3 bench/bench_engine_decode.py --out bench/results`",
+        f"Command: `{command_line()}`",
         "",
         "tok/s (ms/step) per mode:",
         "",

@@ -25,6 +25,7 @@ import torch
 from bench.bench_engine_decode import (
     MODES,
     VOCAB,
+    command_line,
     engine_bench_args,
     environment,
     markdown_table,
@@ -85,7 +86,7 @@ def main() -> None:
         f"# W1 shared-system-prompt batch, {env['gpu']}, torch {env['torch']}, "
         f"triton {env['triton']}, {env['date_utc']} UTC",
         "",
-        "Command: `PYTHONPATH=. python3 bench/bench_engine_w1.py --out bench/results`",
+        f"Command: `{command_line()}`",
         "",
     ]
     header = ["steps", "seconds", "new tokens/s", "prompt tokens hit / queried", "graph steps"]

@@ -37,7 +37,13 @@ from typing import Any
 
 import torch
 
-from bench.bench_engine_decode import VOCAB, markdown_table, save_result, write_model
+from bench.bench_engine_decode import (
+    VOCAB,
+    command_line,
+    markdown_table,
+    save_result,
+    write_model,
+)
 from pagedq import LLM, SamplingParams
 
 BATCH, PROMPT_TOKENS, NEW_TOKENS = 256, 8, 128
@@ -157,8 +163,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"# Host time per decode step, batch {BATCH}, device {args.device}: {where}, "
         f"torch {env['torch']}, Python {env['python']}, {stamp} UTC",
         "",
-        f"Command: `PYTHONPATH=. python3 bench/bench_host.py --out bench/results "
-        f"--device {args.device} --sampling {args.sampling}`",
+        f"Command: `{command_line()}`",
         "",
         "ms per step (median of the timed runs):",
         "",

@@ -32,7 +32,13 @@ from typing import Any
 
 import torch
 
-from bench.bench_engine_decode import VOCAB, markdown_table, save_result, write_model
+from bench.bench_engine_decode import (
+    VOCAB,
+    command_line,
+    markdown_table,
+    save_result,
+    write_model,
+)
 from pagedq import LLM, SamplingParams
 
 BATCH = 64
@@ -113,8 +119,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, device: str) -> 
     lines = [
         f"# Prefix caching with 0% hits, {name}, torch {env['torch']}, {stamp} UTC",
         "",
-        f"Command: `PYTHONPATH=. python3 bench/bench_prefix_overhead.py --out bench/results"
-        f"{' --small' if args.small else ''}`; {model}, batch {BATCH}, median of "
+        f"Command: `{command_line()}`; {model}, batch {BATCH}, median of "
         f"{args.repeats} alternated rounds.",
         "",
     ]
