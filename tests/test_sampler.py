@@ -12,14 +12,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pagedq.layers.sampler import (
-    Sampler,
-    SamplingRow,
-    _BatchPlan,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-)
+from pagedq.layers.sampler import Sampler, SamplingRow, _BatchPlan, apply_penalties
+from pagedq.ops.sampling import apply_min_p, apply_top_k_top_p
 from pagedq.sampling_params import SamplingParams
 
 _NO_CUDA = not torch.cuda.is_available()

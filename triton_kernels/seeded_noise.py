@@ -24,6 +24,28 @@ _W0, _W1 = tl.constexpr(0x9E3779B9), tl.constexpr(0xBB67AE85)  # Philox4x32 key 
 
 
 @triton.jit
+def seeded_exponential(seed, step, cols):
+    """Exp(1) noise of columns `cols` (a block of int32) for one row's (seed, step): fp32, the
+    same shape as `cols`. seed: int64 scalar; step: integer scalar."""
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = cols.to(tl.uint32)
+    c1 = tl.zeros_like(c0) + step.to(tl.uint32)
+    c2 = tl.zeros_like(c0)
+    c3 = tl.zeros_like(c0)
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(c0, _M0)
+        hi1 = tl.umulhi(c2, _M1)
+        lo0 = c0 * _M0
+        lo1 = c2 * _M1
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = k0 + _W0
+        k1 = k1 + _W1
+    u = (c0 >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    return -tl.log(1.0 - u)
+
+
+@triton.jit
 def _seeded_exponential_kernel(
     # pointers
     seeds_ptr,
@@ -36,23 +58,7 @@ def _seeded_exponential_kernel(
 ):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    seed = tl.load(seeds_ptr + row)
-    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    c0 = cols.to(tl.uint32)
-    c1 = tl.zeros_like(c0) + tl.load(steps_ptr + row).to(tl.uint32)
-    c2 = tl.zeros_like(c0)
-    c3 = tl.zeros_like(c0)
-    for _ in tl.static_range(10):
-        hi0 = tl.umulhi(c0, _M0)
-        hi1 = tl.umulhi(c2, _M1)
-        lo0 = c0 * _M0
-        lo1 = c2 * _M1
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0 = k0 + _W0
-        k1 = k1 + _W1
-    u = (c0 >> 8).to(tl.float32) * (1.0 / 16777216.0)
-    noise = -tl.log(1.0 - u)
+    noise = seeded_exponential(tl.load(seeds_ptr + row), tl.load(steps_ptr + row), cols)
     tl.store(out_ptr + row.to(tl.int64) * VOCAB + cols, noise, mask=cols < VOCAB)
 
 

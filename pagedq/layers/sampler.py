@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedq.ops.noise import seeded_exponential
+from pagedq.ops.noise import MAX_SEED, seeded_exponential
+from pagedq.ops.sampling import column, fused_available, fused_sample, reference_sample
 from pagedq.ops.transfer import to_device
 from pagedq.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
@@ -81,11 +82,6 @@ def _scatter_index(
     if not inside.all():
         rows, cols = rows[inside], cols[inside]
     return to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)
-
-
-def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
-    """Per-row scalars as a [rows, 1] float32 column on `device`."""
-    return to_device(values, torch.float32, device).unsqueeze(1)
 
 
 @dataclass(slots=True)
@@ -175,7 +171,7 @@ def _apply_repetition(
     index = _scatter_index(seqs, owners, logits.shape[1], device)
     seen.index_put_(index, torch.ones((), dtype=torch.bool, device=device))
     penalty = torch.ones(logits.shape[0], 1, dtype=logits.dtype, device=device)  # [rows, 1]
-    penalty[list(idx)] = _column([rows[i].params.repetition_penalty for i in idx], device)
+    penalty[list(idx)] = column([rows[i].params.repetition_penalty for i in idx], device)
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
     torch.where(seen, penalised, logits, out=logits)
 
@@ -191,104 +187,66 @@ def _apply_presence_frequency(
     index = _scatter_index(outputs, range(len(idx)), logits.shape[1], device)
     ones = torch.ones(index[0].shape[0], dtype=logits.dtype, device=device)
     counts.index_put_(index, ones, accumulate=True)
-    presence = _column([rows[i].params.presence_penalty for i in idx], device)
-    frequency = _column([rows[i].params.frequency_penalty for i in idx], device)
+    presence = column([rows[i].params.presence_penalty for i in idx], device)
+    frequency = column([rows[i].params.frequency_penalty for i in idx], device)
     delta = counts * frequency + (counts > 0).to(logits.dtype) * presence  # [len(idx), vocab]
     logits.index_add_(0, to_device(list(idx), torch.int64, device), delta, alpha=-1.0)
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor,  # [rows, vocab] float32, temperature already applied
-    top_k: Sequence[int | None],  # per row; None: off
-    top_p: Sequence[float],  # per row, in (0, 1]; 1: off
-) -> torch.Tensor:
-    """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus.
-
-    Top-k keeps the logits >= the k-th largest (ties with it are kept). Top-p then keeps the
-    smallest prefix of the descending order (ties: lowest id first) whose probability mass,
-    renormalised after top-k, reaches `top_p`; the most likely token is always kept.
-    Returns a new tensor.
-    """
-    vocab = logits.shape[1]
-    k = [vocab if v is None else min(v, vocab) for v in top_k]
-    if all(p >= 1.0 for p in top_p):
-        kth = torch.topk(logits, max(k), dim=-1).values  # [rows, max_k], descending
-        return _mask_below_kth(logits, kth, k)
-    ordered, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # [rows, vocab]
-    if any(v < vocab for v in k):
-        ordered = _mask_below_kth(ordered, ordered, k)
-    probs = torch.softmax(ordered, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly better tokens
-    p = _column([v if v < 1.0 else math.inf for v in top_p], logits.device)
-    ordered = ordered.masked_fill(mass_before >= p, -math.inf)
-    return torch.empty_like(logits).scatter_(1, order, ordered)
-
-
-def _mask_below_kth(
-    logits: torch.Tensor,  # [rows, vocab]
-    descending: torch.Tensor,  # [rows, >= max(k)] each row's largest logits, descending
-    k: Sequence[int],
-) -> torch.Tensor:
-    index = to_device(k, torch.int64, logits.device).unsqueeze(1) - 1
-    kth = descending.gather(1, index)  # [rows, 1]
-    return logits.masked_fill(logits < kth, -math.inf)
-
-
-def apply_min_p(
-    logits: torch.Tensor,  # [rows, vocab] float32
-    min_p: Sequence[float],  # per row, in [0, 1]; 0: off
-) -> torch.Tensor:
-    """Set to -inf every logit whose probability is below `min_p` times the row's largest.
-
-    `p_i >= min_p * p_max` is `logit_i >= logit_max + log(min_p)` whatever the
-    normalisation, so no softmax is needed. Returns a new tensor.
-    """
-    log_min_p = _column([math.log(v) if v > 0 else -math.inf for v in min_p], logits.device)
-    threshold = logits.amax(dim=-1, keepdim=True) + log_min_p  # [rows, 1]
-    return logits.masked_fill(logits < threshold, -math.inf)
-
-
-def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """q ~ Exp(1) shaped like probs [rows, vocab] (float32): a seeded row's from its seed and
+def _exponential_noise(like: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """q ~ Exp(1) shaped like `like` [rows, vocab] (float32): a seeded row's from its seed and
     the position of the token it samples (its output length), the others' from the global
     RNG."""
     index = [j for j, row in enumerate(rows) if row.seed is not None]
     if not index:
-        return _floored(torch.empty_like(probs).exponential_())
+        return torch.empty_like(like).exponential_()
     seeds = [row.seed for row in rows if row.seed is not None]
     steps = [rows[j].num_output_tokens for j in index]
-    noise = seeded_exponential(seeds, steps, probs.shape[1], probs.device)
+    noise = seeded_exponential(seeds, steps, like.shape[1], like.device)
     if len(index) == len(rows):
-        return _floored(noise)
-    q = torch.empty_like(probs).exponential_()
-    q[to_device(index, torch.int64, probs.device)] = noise
-    return _floored(q)
+        return noise
+    q = torch.empty_like(like).exponential_()
+    q[to_device(index, torch.int64, like.device)] = noise
+    return q
 
 
-def _floored(q: torch.Tensor) -> torch.Tensor:
-    # Exp(1) may round to 0; a floor keeps 0 / q finite for masked tokens (no NaN winners).
-    return q.clamp_(min=torch.finfo(q.dtype).tiny)
+def sample_rows(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], index: Sequence[int], tokens: torch.Tensor
+) -> None:
+    """Sample rows `index` of `logits` (none greedy) into `tokens` [rows] int64.
 
-
-def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Sample one token per row (none greedy): [rows] int64.
-
-    logits: [rows, vocab] float32 after penalties; not modified.
+    logits: [rows, vocab] float32 after penalties; not modified. On CUDA one fused launch
+    (`pagedq.ops.sampling.fused_sample`); elsewhere PyTorch ops with `_exponential_noise`.
     """
-    params = [r.params for r in rows]
-    temperature = [p.temperature for p in params]
-    x = logits
-    if any(t != 1.0 for t in temperature):
-        x = x / _column(temperature, logits.device)
-    top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
-    if any(k is not None for k in top_k) or any(p < 1.0 for p in top_p):
-        x = apply_top_k_top_p(x, top_k, top_p)
-    min_p = [p.min_p for p in params]
-    if any(p > 0.0 for p in min_p):
-        x = apply_min_p(x, min_p)
-    probs = torch.softmax(x, dim=-1)
-    q = _exponential_noise(probs, rows)
-    return torch.argmax(probs / q, dim=-1)
+    params = [rows[i].params for i in index]
+    first = params[0]
+    if params.count(first) == len(params):  # one params object: no per-row reads
+        n = len(params)
+        temperature, top_k = [first.temperature] * n, [first.top_k] * n
+        top_p, min_p = [first.top_p] * n, [first.min_p] * n
+    else:
+        temperature, top_k = [p.temperature for p in params], [p.top_k for p in params]
+        top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
+    if fused_available(logits):
+        seeds, steps = _seeds_and_steps([rows[i] for i in index])
+        fused_sample(logits, index, temperature, top_k, top_p, min_p, seeds, steps, tokens)
+        return
+    x = logits if len(index) == len(rows) else logits[to_device(index, torch.int64, logits.device)]
+    q = _exponential_noise(x, [rows[i] for i in index])
+    picked = reference_sample(x, temperature, top_k, top_p, min_p, q)
+    if len(index) == len(rows):
+        tokens.copy_(picked)
+    else:
+        tokens[to_device(index, torch.int64, logits.device)] = picked
+
+
+def _seeds_and_steps(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int]]:
+    """The fused sampler's noise keys: a seeded row's (seed, output position); an unseeded
+    row's (a draw of the global torch RNG + its place in the batch, 0)."""
+    base = int(torch.randint(MAX_SEED, ()).item()) if any(r.seed is None for r in rows) else 0
+    seeds = [(base + j) & MAX_SEED if r.seed is None else r.seed for j, r in enumerate(rows)]
+    steps = [0 if r.seed is None else r.num_output_tokens for r in rows]
+    return seeds, steps
 
 
 class Sampler:
@@ -329,11 +287,11 @@ class Sampler:
     ) -> torch.Tensor:
         """[rows] int64: argmax for greedy rows, a sample for rows `sampled`."""
         if len(sampled) == len(rows):
-            return sample_rows(logits, rows)
-        tokens = torch.argmax(logits, dim=-1)
+            tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+        else:
+            tokens = torch.argmax(logits, dim=-1)
         if sampled:
-            index = to_device(sampled, torch.int64, logits.device)
-            tokens[index] = sample_rows(logits[index], [rows[i] for i in sampled])
+            sample_rows(logits, rows, sampled, tokens)
         return tokens
 
 
