@@ -54,10 +54,11 @@ def both(
     return got.cpu().tolist(), want.tolist()
 
 
-@pytest.mark.parametrize("vocab", [1000, 3000])  # a power-of-two block and a padded one
-def test_fused_sample_matches_the_reference(vocab: int) -> None:
+@pytest.mark.parametrize(
+    ("vocab", "rows"), [(1000, 24), (3000, 24), (9000, 8)]
+)  # one chunk with a full or a padded block; three chunks
+def test_fused_sample_matches_the_reference(vocab: int, rows: int) -> None:
     g = torch.Generator().manual_seed(vocab)
-    rows = 24
     logits = torch.randn(rows, vocab, generator=g) * 3
     temperature = [0.6 + 0.1 * (i % 7) for i in range(rows)]
     top_k: list[int | None] = [[None, 5, 50, vocab + 10][i % 4] for i in range(rows)]
@@ -70,18 +71,22 @@ def test_fused_sample_matches_the_reference(vocab: int) -> None:
 
 
 def test_top_p_ties_are_kept_in_id_order_and_top_k_keeps_ties() -> None:
-    """Four equal best tokens, top_p 0.5: the mass before the 4th (3 x 0.183) reaches 0.5, so
-    ids 0..2 are kept. top_k=2 over three equal best logits keeps all three."""
-    draws = 48
-    nucleus = torch.tensor([0.0] * 4 + [-1.0] * 4)
-    topk = torch.tensor([3.0, 1.0, 3.0, 3.0, 0.0, 1.0, 2.0, 0.0])
+    """Four equal best tokens (in three chunks of the kernel's second pass), top_p 0.25: each
+    weighs 0.142, so the mass before the third (0.285) reaches top_p: the two lowest ids are
+    kept. top_k=2 over three equal best logits keeps all three."""
+    draws, vocab = 24, 9000
+    best = [10, 4100, 8200, 8990]
+    nucleus = torch.full((vocab,), -8.0)
+    nucleus[best] = 0.0
+    topk = torch.full((vocab,), -1.0)
+    topk[[5, 4500, 8999]] = 3.0
     logits = torch.stack([nucleus] * draws + [topk] * draws)
     n = 2 * draws
-    top_p, top_k = [0.5] * draws + [1.0] * draws, [None] * draws + [2] * draws
+    top_p, top_k = [0.25] * draws + [1.0] * draws, [None] * draws + [2] * draws
     got, want = both(logits, [1.0] * n, top_k, top_p, [0.0] * n, [7] * n, list(range(n)))
     assert got == want
-    assert set(got[:draws]) == {0, 1, 2}
-    assert set(got[draws:]) == {0, 2, 3}
+    assert set(got[:draws]) == {10, 4100}
+    assert set(got[draws:]) == {5, 4500, 8999}
 
 
 def test_extreme_settings_keep_only_the_best_token() -> None:
@@ -140,7 +145,7 @@ def test_kernel_compiles_for_sm90() -> None:
         "from triton_kernels.sampling import _sample_kernel as k\n"
         "sig = {'logits_ptr': '*fp32', 'fparams_ptr': '*fp32', 'iparams_ptr': '*i64',\n"
         "       'tokens_ptr': '*i64', 'stride': 'i32', 'n': 'i32', 'VOCAB': 'i32'}\n"
-        "consts = {'BLOCK': 32768, 'TOP_K': True, 'TOP_P': True, 'MIN_P': True}\n"
+        "consts = {'BLOCK': 32768, 'CHUNK': 4096, 'TOP_K': True, 'TOP_P': True, 'MIN_P': True}\n"
         "sig.update({name: 'constexpr' for name in consts})\n"
         "consts = {(k.arg_names.index(name),): v for name, v in consts.items()}\n"
         "c = triton.compile(ASTSource(k, sig, consts), target=GPUTarget('cuda', 90, 32),\n"

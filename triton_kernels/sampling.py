@@ -1,17 +1,20 @@
 """Sampling of one token per row in one launch: temperature, top-k, top-p, min-p, then the
 exponential race, without sorting the vocabulary.
 
-Algorithm (one program per sampled row, the whole row in registers):
+Algorithm (one program per sampled row). Phase 1 holds the row in registers and finds the
+thresholds, as scalars:
 - x = logits / temperature; m = max(x).
 - top-k: the k-th largest x, found exactly by a 32-step bisection over the order-preserving
   integer keys of the fp32 values (count of keys >= candidate); x >= it is kept (ties too).
-- top-p: p = softmax of the top-k survivors. A 31-step bisection over the bits of p finds
+- top-p: p = softmax of the top-k survivors. A 30-step bisection over the bits of p finds
   tau, the smallest probability whose strictly larger ones weigh less than top_p: every token
   above tau is kept, and the tokens equal to tau in id order while the mass before them stays
   below top_p (the order a stable descending sort gives).
 - min-p: x >= m + log(min_p) is kept.
-- the winner: argmax over kept tokens of p / q, q ~ Exp(1) from Philox at (seed, step) as in
-  `seeded_noise.py`; ties go to the lowest id.
+Phase 2 reads the row again (from L2) in chunks, so that the noise's Philox state never meets
+the whole row: the winner is the argmax over kept tokens of exp(x - m) / q, q ~ Exp(1) from
+Philox at (seed, step) as in `seeded_noise.py` (the same argmax as probs / q); ties go to the
+lowest id.
 `pagedq.ops.sampling.reference_sample` is the same computation with a sort, in PyTorch. The
 masses are summed in another order there, so a token whose mass-before lies within rounding
 of top_p can fall on either side.
@@ -33,6 +36,7 @@ import triton.language as tl
 from triton_kernels.seeded_noise import seeded_exponential
 
 MAX_BLOCK = 131072  # the largest vocabulary sampled in registers (Llama 3: 128,256)
+CHUNK = 4096  # columns per step of the second pass
 _TINY = tl.constexpr(1.1754943508222875e-38)  # fp32's smallest normal: the noise's floor
 
 
@@ -57,61 +61,87 @@ def _sample_kernel(
     VOCAB,
     # constexprs
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
     TOP_K: tl.constexpr,
     TOP_P: tl.constexpr,
     MIN_P: tl.constexpr,
 ):
+    # Phase 1, the whole row in registers: the thresholds, as scalars. Phase 2 streams the row
+    # again in chunks (from L2), so the noise's Philox state never meets the whole row.
     i = tl.program_id(0)
     row = tl.load(iparams_ptr + i)
+    src = logits_ptr + row * stride
+    temperature = tl.load(fparams_ptr + i)
     cols = tl.arange(0, BLOCK)
-    inside = cols < VOCAB
-    logits = tl.load(logits_ptr + row * stride + cols, mask=inside, other=-float("inf"))
-    x = logits / tl.load(fparams_ptr + i)
+    x = tl.load(src + cols, mask=cols < VOCAB, other=-float("inf")) / temperature
     m = tl.max(x, axis=0)
-    keep = inside
+    t_k = tl.full((), 0, tl.uint32)  # top-k: keep key(x) >= t_k (0: everything)
     if TOP_K:
         k = tl.load(iparams_ptr + n + i).to(tl.int32)
         if k < VOCAB:
             key = _ordered_key(x)
             # the largest t with count(key >= t) >= k is the k-th largest key: bisect, one
             # bit at a time from the top
-            t = tl.full((), 0, tl.uint32)
             one = tl.full((), 1, tl.uint32)
             for bit in tl.static_range(31, -1, -1):
-                cand = t | (one << bit)
+                cand = t_k | (one << bit)
                 if tl.sum((key >= cand).to(tl.int32), axis=0) >= k:
-                    t = cand
-            keep = keep & (key >= t)
-    e = tl.where(keep, tl.exp(x - m), 0.0)  # the top-k survivors' weights
+                    t_k = cand
+        x = tl.where(_ordered_key(x) >= t_k, x, -float("inf"))
+    w = tl.exp(x - m)  # the top-k survivors' weights
+    total = tl.sum(w, axis=0)
+    # top-p: keep bits(p) > tau, and the ties at tau while the mass before them < top_p
+    tau = tl.full((), -1, tl.int32)
+    above = tl.full((), 0.0, tl.float32)
+    top_p = tl.full((), 1.0, tl.float32)
     if TOP_P:
         top_p = tl.load(fparams_ptr + n + i)
         if top_p < 1.0:
-            p = e / tl.sum(e, axis=0)
+            p = w / total
             bits = p.to(tl.int32, bitcast=True)  # p >= 0: the bits order as the values
-            # the largest t with mass(bits > t) >= top_p; tau = t + 1 is then a value of p
-            t = 0
-            for bit in tl.static_range(30, -1, -1):
+            # the largest t with mass(bits > t) >= top_p (p <= 1: t < 2^30); tau = t + 1 is
+            # then a value of p
+            t = tl.full((), 0, tl.int32)
+            for bit in tl.static_range(29, -1, -1):
                 cand = t + (1 << bit)
                 if tl.sum(tl.where(bits > cand, p, 0.0), axis=0) >= top_p:
                     t = cand
             tau = t + 1
-            tie = bits == tau
-            keep_p = bits > tau
-            if tl.sum(tie.to(tl.int32), axis=0) == 1:
-                keep_p = keep_p | tie
-            else:  # ties at tau are kept in id order while the mass before them < top_p
-                above = tl.sum(tl.where(keep_p, p, 0.0), axis=0)
-                rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1
-                tau_p = tau.to(tl.float32, bitcast=True)
-                keep_p = keep_p | (tie & (above + rank.to(tl.float32) * tau_p < top_p))
-            e = tl.where(keep_p, e, 0.0)
+            above = tl.sum(tl.where(bits > tau, p, 0.0), axis=0)
+    threshold = tl.full((), -float("inf"), tl.float32)  # min-p: keep x >= threshold
     if MIN_P:
-        e = tl.where(x >= m + tl.load(fparams_ptr + 2 * n + i), e, 0.0)
+        threshold = m + tl.load(fparams_ptr + 2 * n + i)
+
+    # Phase 2: the race over the kept tokens, chunk by chunk; ties go to the lowest id.
     seed = tl.load(iparams_ptr + 2 * n + i)
     step = tl.load(iparams_ptr + 3 * n + i)
-    q = tl.maximum(seeded_exponential(seed, step, cols), _TINY)
-    score = tl.where(inside, (e / tl.sum(e, axis=0)) / q, -1.0)
-    tl.store(tokens_ptr + row, tl.argmax(score, axis=0).to(tl.int64))
+    tau_p = tau.to(tl.float32, bitcast=True)
+    best = tl.full((), -1.0, tl.float32)
+    best_col = tl.full((), 0, tl.int32)
+    tied = tl.full((), 0, tl.int32)
+    for start in range(0, VOCAB, CHUNK):
+        c = start + tl.arange(0, CHUNK)
+        inside = c < VOCAB
+        xc = tl.load(src + c, mask=inside, other=-float("inf")) / temperature
+        keep = inside
+        if TOP_K:
+            keep = keep & (_ordered_key(xc) >= t_k)
+        wc = tl.exp(xc - m)
+        if TOP_P:  # ties are ranked among the top-k survivors, before min-p
+            bits_c = (wc / total).to(tl.int32, bitcast=True)
+            tie = keep & (bits_c == tau)
+            rank = tied + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+            kept_tie = tie & (above + rank.to(tl.float32) * tau_p < top_p)
+            keep = keep & ((bits_c > tau) | kept_tie)
+            tied += tl.sum(tie.to(tl.int32), axis=0)
+        keep = keep & (xc >= threshold)
+        q = tl.maximum(seeded_exponential(seed, step, c), _TINY)
+        score = tl.where(keep, wc / q, tl.where(inside, 0.0, -1.0))
+        top = tl.max(score, axis=0)
+        if top > best:
+            best = top
+            best_col = start + tl.argmax(score, axis=0)
+    tl.store(tokens_ptr + row, best_col.to(tl.int64))
 
 
 def launch(
@@ -134,6 +164,6 @@ def launch(
         raise ValueError(f"vocab {vocab} is larger than the fused sampler's {MAX_BLOCK}")
     _sample_kernel[(n,)](
         logits, fparams, iparams, tokens, logits.stride(0), n, vocab,
-        BLOCK=block, TOP_K=top_k, TOP_P=top_p, MIN_P=min_p,
-        num_warps=16 if block >= 16384 else 4,
+        BLOCK=block, CHUNK=CHUNK, TOP_K=top_k, TOP_P=top_p, MIN_P=min_p,
+        num_warps=max(4, min(32, block // 1024)),
     )  # fmt: skip
