@@ -48,7 +48,8 @@ def both(
     rows = logits.shape[0]
     logits = logits.to(DEVICE)
     got = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
-    fused_sample(logits, range(rows), temperature, top_k, top_p, min_p, seeds, steps, got)
+    k = [logits.shape[1] if v is None else v for v in top_k]
+    fused_sample(logits, range(rows), temperature, k, top_p, min_p, seeds, steps, got)
     noise = reference_seeded_exponential(torch.tensor(seeds), torch.tensor(steps), logits.shape[1])
     want = reference_sample(logits.cpu(), temperature, top_k, top_p, min_p, noise)
     return got.cpu().tolist(), want.tolist()
@@ -129,7 +130,7 @@ def test_out_of_range_seeds_and_large_vocabularies() -> None:
     logits = torch.zeros(1, 10, device=DEVICE)
     tokens = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="seeds must lie in"):
-        fused_sample(logits, [0], [1.0], [None], [1.0], [0.0], [-1], [0], tokens)
+        fused_sample(logits, [0], [1.0], [10], [1.0], [0.0], [-1], [0], tokens)
     assert fused_available(logits)
     assert not fused_available(torch.zeros(1, FUSED_MAX_VOCAB + 1, device="meta"))
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedq.ops.noise import MAX_SEED, seeded_exponential
+from pagedq.ops.noise import seeded_exponential
 from pagedq.ops.sampling import column, fused_available, fused_sample, reference_sample
 from pagedq.ops.transfer import to_device
 from pagedq.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
@@ -218,34 +218,47 @@ def sample_rows(
     logits: [rows, vocab] float32 after penalties; not modified. On CUDA one fused launch
     (`pagedq.ops.sampling.fused_sample`); elsewhere PyTorch ops with `_exponential_noise`.
     """
-    params = [rows[i].params for i in index]
-    first = params[0]
-    if params.count(first) == len(params):  # one params object: no per-row reads
-        n = len(params)
-        temperature, top_k = [first.temperature] * n, [first.top_k] * n
-        top_p, min_p = [first.top_p] * n, [first.min_p] * n
-    else:
-        temperature, top_k = [p.temperature for p in params], [p.top_k for p in params]
-        top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
+    chosen = [rows[i] for i in index]
     if fused_available(logits):
-        seeds, steps = _seeds_and_steps([rows[i] for i in index])
-        fused_sample(logits, index, temperature, top_k, top_p, min_p, seeds, steps, tokens)
+        _fused_sample_rows(logits, chosen, index, tokens)
         return
-    x = logits if len(index) == len(rows) else logits[to_device(index, torch.int64, logits.device)]
-    q = _exponential_noise(x, [rows[i] for i in index])
-    picked = reference_sample(x, temperature, top_k, top_p, min_p, q)
-    if len(index) == len(rows):
+    params = [row.params for row in chosen]
+    temperature, top_k = [p.temperature for p in params], [p.top_k for p in params]
+    top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
+    everything = len(index) == len(rows)
+    x = logits if everything else logits[to_device(index, torch.int64, logits.device)]
+    picked = reference_sample(x, temperature, top_k, top_p, min_p, _exponential_noise(x, chosen))
+    if everything:
         tokens.copy_(picked)
     else:
         tokens[to_device(index, torch.int64, logits.device)] = picked
 
 
-def _seeds_and_steps(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int]]:
+def _fused_sample_rows(
+    logits: torch.Tensor, chosen: list[SamplingRow], index: Sequence[int], tokens: torch.Tensor
+) -> None:
+    params = [row.params for row in chosen]
+    first, vocab = params[0], logits.shape[1]
+    if params.count(first) == len(params):  # one params object: no per-row reads
+        one = (first.temperature, first.top_k or vocab, first.top_p, first.min_p)
+        values = np.array([one]).repeat(len(params), axis=0)  # [n, 4] float64 (exact ints)
+    else:
+        values = np.array([(p.temperature, p.top_k or vocab, p.top_p, p.min_p) for p in params])
+    seeds, steps = _seeds_and_steps(chosen)
+    temperature, top_k, top_p, min_p = values.T
+    fused_sample(logits, index, temperature, top_k, top_p, min_p, seeds, steps, tokens)
+
+
+def _seeds_and_steps(rows: Sequence[SamplingRow]) -> tuple[np.ndarray, np.ndarray]:
     """The fused sampler's noise keys: a seeded row's (seed, output position); an unseeded
     row's (a draw of the global torch RNG + its place in the batch, 0)."""
-    base = int(torch.randint(MAX_SEED, ()).item()) if any(r.seed is None for r in rows) else 0
-    seeds = [(base + j) & MAX_SEED if r.seed is None else r.seed for j, r in enumerate(rows)]
-    steps = [0 if r.seed is None else r.num_output_tokens for r in rows]
+    n = len(rows)
+    base = int(torch.randint(2**62, ()).item())  # + n < 2**63: within MAX_SEED
+    seeds = base + np.arange(n, dtype=np.int64)
+    steps = np.zeros(n, dtype=np.int64)
+    for j, row in enumerate(rows):
+        if row.seed is not None:
+            seeds[j], steps[j] = row.seed, row.num_output_tokens
     return seeds, steps
 
 
