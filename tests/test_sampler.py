@@ -340,8 +340,8 @@ def test_all_greedy_batch_runs_only_argmax_and_logprob_passes(
 
 
 def test_batch_plan_groups_rows_by_params_in_batch_order() -> None:
-    """The stages' row lists come from each distinct params object once, in batch order, as a
-    row-by-row pass would give them (equal params that are distinct objects included)."""
+    """The stages' row lists, in batch order: from the params object when every row shares
+    one, else row by row (equal params that are distinct objects included)."""
     hot = SamplingParams(temperature=0.7, repetition_penalty=1.2, logprobs=3)
     twin = SamplingParams(temperature=0.7, repetition_penalty=1.2, logprobs=3)
     extra = SamplingParams(temperature=1.0, presence_penalty=0.5, min_tokens=3)
