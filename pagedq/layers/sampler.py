@@ -223,16 +223,26 @@ def sample_rows(
 ) -> None:
     """Sample rows `index` of `logits` (none greedy) into `tokens` [rows] int64.
 
-    logits: [rows, vocab] float32 after penalties; not modified. On CUDA one fused launch
-    (`pagedq.ops.sampling.fused_sample`); elsewhere PyTorch ops with `_exponential_noise`.
+    logits: [rows, vocab] float32 after penalties; not modified. Batches with top-k or top-p
+    on CUDA: one fused launch that sorts nothing (`pagedq.ops.sampling.fused_sample`). Others,
+    and every batch elsewhere: PyTorch ops with `_exponential_noise` (temperature and min-p
+    alone cost less host time that way on an H200 host: 0.42 against 0.57 ms at B=256).
     """
     chosen = [rows[i] for i in index]
-    if fused_available(logits):
-        _fused_sample_rows(logits, chosen, index, tokens)
-        return
     params = [row.params for row in chosen]
-    temperature, top_k = [p.temperature for p in params], [p.top_k for p in params]
-    top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
+    shared = _one_object(params)
+    if fused_available(logits) and any(
+        p.top_k is not None or p.top_p < 1.0 for p in (params[:1] if shared else params)
+    ):
+        _fused_sample_rows(logits, chosen, params, shared, index, tokens)
+        return
+    if shared:
+        one, n = params[0], len(params)
+        temperature, top_k = [one.temperature] * n, [one.top_k] * n
+        top_p, min_p = [one.top_p] * n, [one.min_p] * n
+    else:
+        temperature, top_k = [p.temperature for p in params], [p.top_k for p in params]
+        top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
     everything = len(index) == len(rows)
     x = logits if everything else logits[to_device(index, torch.int64, logits.device)]
     picked = reference_sample(x, temperature, top_k, top_p, min_p, _exponential_noise(x, chosen))
@@ -243,11 +253,15 @@ def sample_rows(
 
 
 def _fused_sample_rows(
-    logits: torch.Tensor, chosen: list[SamplingRow], index: Sequence[int], tokens: torch.Tensor
+    logits: torch.Tensor,
+    chosen: list[SamplingRow],
+    params: list[SamplingParams],  # chosen's
+    shared: bool,  # whether params is one object
+    index: Sequence[int],
+    tokens: torch.Tensor,
 ) -> None:
-    params = [row.params for row in chosen]
     first, vocab = params[0], logits.shape[1]
-    if _one_object(params):  # no per-row reads
+    if shared:  # no per-row reads
         one = (first.temperature, first.top_k or vocab, first.top_p, first.min_p)
         values = np.array([one]).repeat(len(params), axis=0)  # [n, 4] float64 (exact ints)
     else:
