@@ -356,6 +356,8 @@ def test_batch_plan_groups_rows_by_params_in_batch_order() -> None:
     uniform = _BatchPlan.of([make_row(extra, output=[7], stop=[1]) for _ in range(3)])
     assert uniform.sampled == uniform.additive == uniform.min_tokens == [0, 1, 2]
     assert uniform.repetition == [] and uniform.num_top == [None] * 3 and uniform.max_top == 0
+    copies = [SamplingParams(temperature=1.0, presence_penalty=0.5, min_tokens=3) for _ in "abc"]
+    assert _BatchPlan.of([make_row(c, output=[7], stop=[1]) for c in copies]) == uniform
     done = _BatchPlan.of([make_row(extra, output=[7, 8, 9], stop=[1])])
     assert done.min_tokens == []  # three output tokens: min_tokens reached
 

@@ -12,8 +12,9 @@ row of the batch uses it:
 5. sampled rows: temperature, top-k, top-p, min-p (each keeps at least one token), then an
    exponential race: `argmax(probs / q)` with `q ~ Exp(1)` picks token i with probability
    `probs[i]`. A seeded row's `q` is a pure function of its seed and output position
-   (`pagedq.ops.noise`: Philox, one launch for all seeded rows), so its tokens do not depend
-   on the other rows of the batch, their order, or anything the device's RNG did before.
+   (`pagedq.ops.noise`: Philox), so its tokens do not depend on the other rows of the batch,
+   their order, or anything the device's RNG did before. On CUDA, batches with top-k or
+   top-p run all of stage 5 as one launch without a sort (`pagedq.ops.sampling`).
 
 Everything the host reads back (tokens, log-probs, top log-probs) comes in one transfer.
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -85,10 +85,13 @@ def _scatter_index(
     return to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)
 
 
-def _one_object(params: Sequence[SamplingParams]) -> bool:
-    """Whether every row shares one params object: an identity test in C. (`list.count` would
-    call the dataclass `__eq__` for every equal copy: 250 µs for 256 requests' own params.)"""
-    return all(map(operator.is_, params, itertools.repeat(params[0])))
+def _all_alike(params: Sequence[SamplingParams]) -> bool:
+    """Whether every row has the params of the first (equal params decide alike). A batch that
+    shares one object passes through `list.count`'s identity test in C; one whose last row
+    holds another object goes row by row at once (`count` would call the dataclass `__eq__`
+    for every equal copy: 250 µs for 256 requests' own params)."""
+    first = params[0]
+    return params[-1] is first and params.count(first) == len(params)
 
 
 @dataclass(slots=True)
@@ -108,7 +111,7 @@ class _BatchPlan:
     def of(cls, rows: Sequence[SamplingRow]) -> _BatchPlan:
         params = [row.params for row in rows]
         first = params[0]
-        if not _one_object(params):  # row by row: one pass per stage
+        if not _all_alike(params):  # row by row: one pass per stage
             hot = GREEDY_TEMPERATURE_EPS
             return cls(
                 sampled=[i for i, p in enumerate(params) if p.temperature >= hot],
@@ -230,7 +233,7 @@ def sample_rows(
     """
     chosen = [rows[i] for i in index]
     params = [row.params for row in chosen]
-    shared = _one_object(params)
+    shared = _all_alike(params)
     if fused_available(logits) and any(
         p.top_k is not None or p.top_p < 1.0 for p in (params[:1] if shared else params)
     ):
@@ -256,7 +259,7 @@ def _fused_sample_rows(
     logits: torch.Tensor,
     chosen: list[SamplingRow],
     params: list[SamplingParams],  # chosen's
-    shared: bool,  # whether params is one object
+    shared: bool,  # whether every row has the first params (`_all_alike`)
     index: Sequence[int],
     tokens: torch.Tensor,
 ) -> None:
