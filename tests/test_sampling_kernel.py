@@ -5,6 +5,7 @@ compile."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pagedq.ops.sampling import (
     fused_available,
     fused_sample,
     reference_sample,
+    token_logprobs,
 )
 from pagedq.sampling_params import SamplingParams
 
@@ -135,6 +137,22 @@ def test_out_of_range_seeds_and_large_vocabularies() -> None:
     assert not fused_available(torch.zeros(1, FUSED_MAX_VOCAB + 1, device="meta"))
 
 
+@pytest.mark.parametrize("vocab", [300, 9000])  # one chunk; three
+def test_token_logprobs_match_logsumexp(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    logits[1, ::3] = -math.inf  # masked ids, as min_tokens leaves them
+    tokens = torch.tensor([0, 4, vocab - 1, 7, 2])
+    got = torch.zeros(4, 5, dtype=torch.float64, device=DEVICE)
+    lse = token_logprobs(logits.to(DEVICE), tokens.to(DEVICE), got)
+    monkeypatch.setenv("PAGEDQ_FUSED_BACKEND", "torch")
+    want = torch.zeros(4, 5, dtype=torch.float64)
+    want_lse = token_logprobs(logits, tokens, want)
+    # fp32 sums in another order (and the GPU's fast exp): values of order 20, a few ulps
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-5)
+    assert got[0].tolist() == tokens.tolist() and not got[2:].any()
+
+
 def test_kernel_compiles_for_sm90() -> None:
     """Compile the kernel with every stage for an H100/H200 offline, in a fresh process (the
     interpreter does not type-check like the compiler)."""
@@ -152,6 +170,12 @@ def test_kernel_compiles_for_sm90() -> None:
         "c = triton.compile(ASTSource(k, sig, consts), target=GPUTarget('cuda', 90, 32),\n"
         "                   options={'num_warps': 16})\n"
         "assert 'mul.hi.u32' in c.asm['ptx']\n"
+        "from triton_kernels.sampling import _token_logprob_kernel as lp\n"
+        "sig = {'logits_ptr': '*fp32', 'tokens_ptr': '*i64', 'values_ptr': '*fp64',\n"
+        "       'lse_ptr': '*fp32', 'stride': 'i32', 'rows': 'i32', 'VOCAB': 'i32',\n"
+        "       'CHUNK': 'constexpr'}\n"
+        "src = ASTSource(lp, sig, {(lp.arg_names.index('CHUNK'),): 4096})\n"
+        "triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 8})\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True)

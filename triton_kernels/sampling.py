@@ -167,3 +167,49 @@ def launch(
         BLOCK=block, CHUNK=CHUNK, TOP_K=top_k, TOP_P=top_p, MIN_P=min_p,
         num_warps=max(4, min(32, block // 1024)),
     )  # fmt: skip
+
+
+@triton.jit
+def _token_logprob_kernel(
+    # pointers
+    logits_ptr,
+    tokens_ptr,
+    values_ptr,
+    lse_ptr,
+    # sizes
+    stride,
+    rows,
+    VOCAB,
+    # constexprs
+    CHUNK: tl.constexpr,
+):
+    # as torch.logsumexp: the max first, then the sum of exp(x - max), in fp32
+    r = tl.program_id(0)
+    src = logits_ptr + r.to(tl.int64) * stride
+    m = tl.full((), -float("inf"), tl.float32)
+    for start in range(0, VOCAB, CHUNK):
+        c = start + tl.arange(0, CHUNK)
+        m = tl.maximum(m, tl.max(tl.load(src + c, mask=c < VOCAB, other=-float("inf")), axis=0))
+    total = tl.full((), 0.0, tl.float32)
+    for start in range(0, VOCAB, CHUNK):
+        c = start + tl.arange(0, CHUNK)
+        x = tl.load(src + c, mask=c < VOCAB, other=-float("inf"))
+        total += tl.sum(tl.exp(x - m), axis=0)
+    lse = tl.log(total) + m
+    token = tl.load(tokens_ptr + r)
+    tl.store(lse_ptr + r, lse)
+    tl.store(values_ptr + r, token.to(tl.float64))
+    tl.store(values_ptr + rows + r, (tl.load(src + token) - lse).to(tl.float64))
+
+
+def launch_token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """values[0] = tokens, values[1] = their log-probs under softmax(logits) (float64 [>= 2,
+    rows], contiguous); lse [rows] fp32 = each row's logsumexp."""
+    rows, vocab = logits.shape
+    if rows == 0:
+        return
+    _token_logprob_kernel[(rows,)](
+        logits, tokens, values, lse, logits.stride(0), rows, vocab, CHUNK=CHUNK, num_warps=8
+    )

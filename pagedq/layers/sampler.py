@@ -30,7 +30,13 @@ import numpy as np
 import torch
 
 from pagedq.ops.noise import seeded_exponential
-from pagedq.ops.sampling import column, fused_available, fused_sample, reference_sample
+from pagedq.ops.sampling import (
+    column,
+    fused_available,
+    fused_sample,
+    reference_sample,
+    token_logprobs,
+)
 from pagedq.ops.transfer import to_device
 from pagedq.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
@@ -384,18 +390,17 @@ def _start_copy(
 ) -> PendingSample:
     """Raw log-probs of the tokens (and the top ones), and one device -> host copy of it all
     (ids are exact in float64: vocab < 2**53), asynchronous on CUDA (into pinned memory)."""
-    lse = torch.logsumexp(raw, dim=-1)  # [rows]
-    chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse  # [rows]
-    parts = [tokens.double().unsqueeze(0), chosen.double().unsqueeze(0)]
     vocab = raw.shape[1]
     capped = num_top
     if max_top > vocab:
         capped = [None if k is None else min(k, vocab) for k in num_top]
         max_top = vocab
+    values = torch.empty((2 + 2 * max_top, raw.shape[0]), dtype=torch.float64, device=raw.device)
+    lse = token_logprobs(raw, tokens, values)  # [rows]
     if max_top:
         top = torch.topk(raw, max_top, dim=-1)  # [rows, max_top]
-        parts += [top.indices.double().T, (top.values - lse.unsqueeze(1)).double().T]
-    values = torch.cat(parts, dim=0)  # [2 + 2 * max_top, rows]
+        values[2 : 2 + max_top] = top.indices.T
+        values[2 + max_top :] = (top.values - lse.unsqueeze(1)).T
     if not values.is_cuda:
         return PendingSample(tokens, values, capped, max_top, None)
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)

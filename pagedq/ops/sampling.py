@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -161,7 +162,7 @@ def fused_sample(
     with np.errstate(divide="ignore"):
         floats[2] = np.log(np.asarray(min_p, dtype=np.float64))  # log(0) = -inf: off
     device = logits.device
-    load_kernels("triton_kernels.sampling", device, ("triton_kernels.seeded_noise",)).launch(
+    _kernels(device).launch(
         logits,
         to_device(floats, torch.float32, device),
         to_device(ints, torch.int64, device),
@@ -170,3 +171,25 @@ def fused_sample(
         top_p=bool(floats[1].min() < 1.0),
         min_p=bool(floats[2].max() > -math.inf),
     )
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    tokens: torch.Tensor,  # [rows] int64
+    values: torch.Tensor,  # [>= 2, rows] float64, contiguous: rows 0 and 1 written
+) -> torch.Tensor:
+    """Write the tokens (as float64) and their log-probs under softmax(logits) into values[0]
+    and values[1]; return each row's logsumexp [rows] float32. On CUDA one pass per row
+    (`triton_kernels/sampling.py`; torch.logsumexp takes five), else PyTorch ops."""
+    if env_backend(BACKEND_ENV, logits.device) == "torch":
+        lse = torch.logsumexp(logits, dim=-1)
+        values[0] = tokens
+        values[1] = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+        return lse
+    lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    _kernels(logits.device).launch_token_logprobs(logits, tokens, values, lse)
+    return lse
+
+
+def _kernels(device: torch.device) -> ModuleType:
+    return load_kernels("triton_kernels.sampling", device, ("triton_kernels.seeded_noise",))
