@@ -19,7 +19,11 @@ lowest id.
 masses are summed in another order there, so a token whose mass-before lies within rounding
 of top_p can fall on either side.
 
-Tensor layouts (n sampled rows):
+The second kernel, `_token_logprob_kernel`, reports each row's chosen token and its log-prob
+under softmax(logits) (`launch_token_logprobs`), in the order of operations torch.logsumexp
+uses, for every sampled or greedy step.
+
+Tensor layouts of the sampling kernel (n sampled rows):
   logits  [rows, vocab] fp32, row stride `stride`, last dim contiguous
   fparams [3, n] fp32: temperature, top_p (1: off), log(min_p) (-inf: off)
   iparams [4, n] int64: row (the logits row and token slot of program i), top_k (vocab:
