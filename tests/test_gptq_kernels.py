@@ -7,10 +7,8 @@ and dequantized checkpoints of test_gptq_linear.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from pagedq.ops.gptq import (
     gptq_matmul,
     select_path,
 )
+from tests.offline_compile import run_compiler
 from tests.test_gptq_linear import Checkpoint, make_checkpoint, reference_output
 from triton_kernels import gptq_configs
 
@@ -325,14 +324,8 @@ def aot_compile_variants() -> list[str]:
 @pytest.mark.slow
 def test_triton_kernels_compile_for_sm90() -> None:
     """The interpreter does not type-check like the compiler: compile for an H100/H200 offline."""
-    pytest.importorskip("triton.backends.nvidia")
     code = "from tests.test_gptq_kernels import aot_compile_variants as f; print(len(f()))"
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip() == str(len(AOT_VARIANTS))
+    assert run_compiler(code).strip() == str(len(AOT_VARIANTS))
 
 
 @pytest.mark.parametrize("swap_ab", [0, 1])

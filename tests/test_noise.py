@@ -4,16 +4,12 @@ against the PyTorch reference, and the properties the sampler relies on."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from pagedq.ops.noise import philox4x32, reference_seeded_exponential, seeded_exponential
 from pagedq.ops.triton_loader import load_kernels
+from tests.offline_compile import sm90_ptx
 
 # Philox4x32-10 known-answer tests of Random123 (kat_vectors): counter, key -> output
 KAT = [
@@ -25,7 +21,6 @@ KAT = [
         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
     ),
 ]
-ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SEEDS = [0, 1, 2**40 + 7, 2**63 - 1, 123_456_789]
 STEPS = [0, 5, 2**32 - 1, 17, 1_000]
@@ -86,20 +81,10 @@ def test_out_of_range_values_are_refused(seeds, steps, match) -> None:  # type: 
 
 
 def test_kernel_compiles_for_sm90() -> None:
-    """The interpreter does not type-check like the compiler (it took Python-int globals that
-    the compiler refuses): compile the kernel for an H100/H200 offline, in a fresh process."""
-    pytest.importorskip("triton.backends.nvidia")
-    code = (
-        "from triton.backends.compiler import GPUTarget\n"
-        "from triton.compiler import ASTSource\n"
-        "import triton\n"
-        "from triton_kernels.seeded_noise import _seeded_exponential_kernel as k\n"
-        "sig = {'seeds_ptr': '*i64', 'steps_ptr': '*i64', 'out_ptr': '*fp32', 'VOCAB': 'i32',\n"
-        "       'BLOCK': 'constexpr'}\n"
-        "src = ASTSource(k, sig, {(k.arg_names.index('BLOCK'),): 1024})\n"
-        "ptx = triton.compile(src, target=GPUTarget('cuda', 90, 32)).asm['ptx']\n"
-        "assert 'mul.hi.u32' in ptx\n"
+    """Compile the kernel for an H100/H200 offline, in a fresh process."""
+    signature = {"seeds_ptr": "*i64", "steps_ptr": "*i64", "out_ptr": "*fp32", "VOCAB": "i32"}
+    [ptx] = sm90_ptx(
+        "triton_kernels.seeded_noise",
+        [("_seeded_exponential_kernel", signature, {"BLOCK": 1024}, 4)],
     )
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True)
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    assert "mul.hi.u32" in ptx

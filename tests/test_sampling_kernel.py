@@ -6,11 +6,7 @@ compile."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +22,8 @@ from pagedq.ops.sampling import (
     token_logprobs,
 )
 from pagedq.sampling_params import SamplingParams
+from tests.offline_compile import sm90_ptx
 
-ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -154,32 +150,18 @@ def test_token_logprobs_match_logsumexp(vocab: int, monkeypatch: pytest.MonkeyPa
 
 
 def test_kernel_compiles_for_sm90() -> None:
-    """Compile the kernel with every stage for an H100/H200 offline, in a fresh process (the
-    interpreter does not type-check like the compiler)."""
-    pytest.importorskip("triton.backends.nvidia")
-    code = (
-        "from triton.backends.compiler import GPUTarget\n"
-        "from triton.compiler import ASTSource\n"
-        "import triton\n"
-        "from triton_kernels.sampling import _sample_kernel as k\n"
-        "sig = {'logits_ptr': '*fp32', 'fparams_ptr': '*fp32', 'iparams_ptr': '*i64',\n"
-        "       'tokens_ptr': '*i64', 'stride': 'i32', 'n': 'i32', 'VOCAB': 'i32'}\n"
-        "consts = {'BLOCK': 32768, 'CHUNK': 4096, 'TOP_K': True, 'TOP_P': True, 'MIN_P': True}\n"
-        "sig.update({name: 'constexpr' for name in consts})\n"
-        "consts = {(k.arg_names.index(name),): v for name, v in consts.items()}\n"
-        "c = triton.compile(ASTSource(k, sig, consts), target=GPUTarget('cuda', 90, 32),\n"
-        "                   options={'num_warps': 16})\n"
-        "assert 'mul.hi.u32' in c.asm['ptx']\n"
-        "from triton_kernels.sampling import _token_logprob_kernel as lp\n"
-        "sig = {'logits_ptr': '*fp32', 'tokens_ptr': '*i64', 'values_ptr': '*fp64',\n"
-        "       'lse_ptr': '*fp32', 'stride': 'i32', 'rows': 'i32', 'VOCAB': 'i32',\n"
-        "       'CHUNK': 'constexpr'}\n"
-        "src = ASTSource(lp, sig, {(lp.arg_names.index('CHUNK'),): 4096})\n"
-        "triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 8})\n"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True)
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    """Compile both kernels, every stage on, for an H100/H200 offline, in a fresh process."""
+    sample = {"logits_ptr": "*fp32", "fparams_ptr": "*fp32", "iparams_ptr": "*i64",
+              "tokens_ptr": "*i64", "stride": "i32", "n": "i32", "VOCAB": "i32"}  # fmt: skip
+    stages = {"BLOCK": 32768, "CHUNK": 4096, "TOP_K": True, "TOP_P": True, "MIN_P": True}
+    logprob = {"logits_ptr": "*fp32", "tokens_ptr": "*i64", "values_ptr": "*fp64",
+               "lse_ptr": "*fp32", "stride": "i32", "rows": "i32", "VOCAB": "i32"}  # fmt: skip
+    ptx, _ = sm90_ptx(
+        "triton_kernels.sampling",
+        [("_sample_kernel", sample, stages, 32),
+         ("_token_logprob_kernel", logprob, {"CHUNK": 4096}, 8)],
+    )  # fmt: skip
+    assert "mul.hi.u32" in ptx
 
 
 @pytest.mark.gpu
