@@ -282,14 +282,17 @@ def _fused_sample_rows(
 
 def _seeds_and_steps(rows: Sequence[SamplingRow]) -> tuple[np.ndarray, np.ndarray]:
     """The fused sampler's noise keys: a seeded row's (seed, output position); an unseeded
-    row's (a draw of the global torch RNG + its place in the batch, 0)."""
+    row's (a draw of the global torch RNG + its place in the batch, 0). The RNG is drawn from
+    only when some row is unseeded, as on the PyTorch path."""
     n = len(rows)
-    base = int(torch.randint(2**62, ()).item())  # + n < 2**63: within MAX_SEED
-    seeds = base + np.arange(n, dtype=np.int64)
+    seeds = np.arange(n, dtype=np.int64)
     steps = np.zeros(n, dtype=np.int64)
+    unseeded = np.ones(n, dtype=bool)
     for j, row in enumerate(rows):
         if row.seed is not None:
-            seeds[j], steps[j] = row.seed, row.num_output_tokens
+            seeds[j], steps[j], unseeded[j] = row.seed, row.num_output_tokens, False
+    if unseeded.any():
+        seeds[unseeded] += int(torch.randint(2**62, ()).item())  # + n < 2**63: a valid seed
     return seeds, steps
 
 
