@@ -1,0 +1,95 @@
+// Torch-facing wrapper of the GPTQ small-M kernel: checks, device guard, persistent grid size,
+// PDL launch on the current stream.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "gptq_host.h"
+#include "gptq_gemv.cuh"
+
+namespace pagedq {
+namespace {
+
+using KernelFn = void (*)(gptq::Params);
+
+template <typename T, int TOK>
+KernelFn kernel_for_tok(bool per_quarter) {
+  return per_quarter ? gptq::gptq_gemv_kernel<T, TOK, true> : gptq::gptq_gemv_kernel<T, TOK, false>;
+}
+
+template <int TOK>
+size_t smem_for_tok(bool per_quarter) {
+  return per_quarter ? gptq::smem_bytes<TOK, true>() : gptq::smem_bytes<TOK, false>();
+}
+
+// The kernel and its shared memory for `tokens` (<= 16) rows.
+template <typename T>
+std::pair<KernelFn, size_t> variant(int tokens, bool per_quarter) {
+  if (tokens <= 1) return {kernel_for_tok<T, 1>(per_quarter), smem_for_tok<1>(per_quarter)};
+  if (tokens <= 2) return {kernel_for_tok<T, 2>(per_quarter), smem_for_tok<2>(per_quarter)};
+  if (tokens <= 4) return {kernel_for_tok<T, 4>(per_quarter), smem_for_tok<4>(per_quarter)};
+  if (tokens <= 8) return {kernel_for_tok<T, 8>(per_quarter), smem_for_tok<8>(per_quarter)};
+  return {kernel_for_tok<T, 16>(per_quarter), smem_for_tok<16>(per_quarter)};
+}
+
+template <typename T>
+at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+               const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
+               at::Tensor& workspace, int64_t group_size) {
+  const int device = x.device().index();
+  gptq::Params p{};
+  gptq_host::set_shape(p, x, qweight, scales, group_size);
+  p.tiles = (p.N + gptq::kTileN - 1) / gptq::kTileN;
+  p.num_blocks = (p.K + gptq::kBlockK - 1) / gptq::kBlockK;
+  const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;
+  const auto [kernel, smem] = variant<T>(p.M, per_quarter);
+  const int resident = gptq_host::resident_ctas(
+      "gptq_gemv", reinterpret_cast<const void*>(kernel), gptq::kThreads, smem, device);
+  const int64_t sharers = gptq::max_sharers(p.M, p.num_blocks);
+  const int64_t runs = gptq::gemv_split(p, 1).runs;
+  int ctas = static_cast<int>(std::min<int64_t>({resident, runs, sharers * p.tiles}));
+  // dev: spread a grid that fits 2 CTAs per SM over all SMs (shared memory for only 2 per SM)
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  size_t launch_smem = smem;
+  if (true && resident > 2 * sms && ctas > 2 * sms && ctas < resident) ctas = 2 * sms;
+  if (resident > 2 * sms && ctas <= 2 * sms) {
+    launch_smem = std::max<size_t>(smem, 80 * 1024);
+    static std::map<const void*, bool> raised;
+    if (!raised[reinterpret_cast<const void*>(kernel)]) {
+      raised[reinterpret_cast<const void*>(kernel)] = true;
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(launch_smem)));
+    }
+  }
+
+  const int64_t slots = int64_t{ctas} * p.M * gptq::kTileN;
+  TORCH_CHECK(workspace.numel() >= slots, "gptq_gemv: ", ctas, " CTAs x ", p.M, " rows x ",
+              gptq::kTileN, " columns need a workspace of ", slots, " values, got ",
+              workspace.numel());
+  at::Tensor out = gptq_host::bind(p, x, qweight, scales, zeros, bias, workspace);
+  const bool pdl = gptq_host::capability(device) >= 90;  // programmatic dependent launch
+  gptq_host::launch(kernel, ctas, gptq::kThreads, launch_smem, pdl, p);
+  return out;
+}
+
+}  // namespace
+
+// Declared in bindings.cpp, which registers it as pagedq::gptq_gemv.
+at::Tensor gptq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& zeros,
+                          const std::optional<at::Tensor>& bias, at::Tensor& workspace,
+                          int64_t group_size) {
+  gptq_host::check_inputs("gptq_gemv", 16, x, qweight, scales, zeros, bias, workspace,
+                          group_size);
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  if (x.scalar_type() == at::kHalf) {
+    return run<__half>(x, qweight, scales, zeros, bias, workspace, group_size);
+  }
+  return run<__nv_bfloat16>(x, qweight, scales, zeros, bias, workspace, group_size);
+}
+
+}  // namespace pagedq
