@@ -19,10 +19,10 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedq.ops.fused import BACKEND_ENV  # the fused kernels' switch: triton or torch
 from pagedq.ops.transfer import to_device
 from pagedq.ops.triton_loader import env_backend, load_kernels
 
-BACKEND_ENV = "PAGEDQ_FUSED_BACKEND"
 MAX_SEED = 2**63 - 1
 MAX_STEP = 2**32 - 1
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 round multipliers

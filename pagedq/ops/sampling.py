@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from numpy.typing import ArrayLike
 
+from pagedq.ops.fused import BACKEND_ENV  # the fused kernels' switch: triton or torch
 from pagedq.ops.noise import MAX_SEED, MAX_STEP
 from pagedq.ops.transfer import to_device
 from pagedq.ops.triton_loader import env_backend, load_kernels
 
-BACKEND_ENV = "PAGEDQ_FUSED_BACKEND"
 FUSED_MAX_VOCAB = 131072  # triton_kernels.sampling.MAX_BLOCK: larger vocabularies use PyTorch
 
 
