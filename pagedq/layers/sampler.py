@@ -252,13 +252,14 @@ def sample_rows(
     else:
         temperature, top_k = [p.temperature for p in params], [p.top_k for p in params]
         top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
-    everything = len(index) == len(rows)
-    x = logits if everything else logits[to_device(index, torch.int64, logits.device)]
+    # the rows' index goes to the device once, for the gather and the scatter
+    where = None if len(index) == len(rows) else to_device(index, torch.int64, logits.device)
+    x = logits if where is None else logits[where]
     picked = reference_sample(x, temperature, top_k, top_p, min_p, _exponential_noise(x, chosen))
-    if everything:
+    if where is None:
         tokens.copy_(picked)
     else:
-        tokens[to_device(index, torch.int64, logits.device)] = picked
+        tokens[where] = picked
 
 
 def _fused_sample_rows(
