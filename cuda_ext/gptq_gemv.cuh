@@ -34,7 +34,9 @@
 // groups the pairs are scaled in T first (one rounding, as in the reference). The loop was bound
 // by instruction issue at small M (H200: a third fewer instructions per block cut the M=1 stack
 // by 16%), hence zero points as a template parameter (no per-column selects) and copy addresses
-// advanced by pointer increments (Feed).
+// advanced by pointer increments (Feed). One token with block-wide groups skips the
+// dequantization: its mma is int8, on the raw nibbles and on the activations as integers (see
+// "sliced" below).
 //
 // Split tiles. A tile shared by CTAs first..last is the last segment of CTA first and the first
 // (or only) segment of the others, so a CTA writes at most one partial tile: the others store
@@ -439,6 +441,153 @@ __device__ inline void compute(const Stage<MT, PQ>& s, float (&acc)[MT][4][4]) {
   }
 }
 
+// --- One token with block-wide groups: int8 tensor cores on the activations' bytes ("sliced").
+//
+// At one token, 7 of the 8 columns of every m16n8k16's B operand are padding, and the mma count
+// (one per 256 weights) bounded the loop: removing the mmas cut the H200's M=1 stack by 0.16 ms.
+// The int8 mma m16n8k32 takes 512 weights per instruction, and its 8 B columns can carry one
+// token's activations as the bytes of integers:
+// - Each block's 128 activations become y = round(x * 2^e), with one power of two per block
+//   chosen from its largest |x| so that |y| < 2^22. Every x within 11 binades of the largest is
+//   exact in fp16 (14 in bf16); smaller ones are rounded to within 2^-22 of the largest.
+// - One FFMA adds 1.5 * 2^23: the float's low 23 bits are then u = y + 2^22, and its bytes 0..2
+//   are B columns 0..2. Column 3 is all ones, so the mma also returns sum(q), and sum(q y) =
+//   D0 + 2^8 D1 + 2^16 (D2 - 2^6 D3) in exact integers.
+// - A is the weights' nibbles as bytes, straight from the packed words: w & 0x0F0F0F0F (q) and
+//   w & 0xF0F0F0F0 (16 q, summed apart and added in exactly). No dequantization.
+// - The block's float sum is (sum(q y) - z' sum(y)) * scale * 2^-e: exact integers inside a block
+//   and one scaling per block, as with the fp16 mma.
+// The warp converts a block's activations together (4 per lane) into B planes in its reduction
+// plane (unused during the loop), then each lane loads its B fragments: 16 mma per block instead
+// of 32, and one LOP3 per 4 weights. H200, M=1 stack: 1.12 -> 1.06-1.075 ms. Two tokens on
+// columns 4..7 were no faster (M=2 runs 2 CTAs per SM: 1.140 -> 1.131 ms), so M=2 keeps fp16.
+
+__host__ __device__ constexpr bool sliced(int TOK, bool PQ) { return TOK == 1 && !PQ; }
+
+// The float exponent of a block's largest |x| sets e: fp16 / bf16 exponent field E of |x| bits.
+template <typename T>
+struct SliceExp;
+template <>
+struct SliceExp<__half> {
+  static constexpr int kShift = 10, kTop = 36, kInf = 31;  // |x| < 2^(E - 14): e = 36 - E
+};
+template <>
+struct SliceExp<__nv_bfloat16> {
+  static constexpr int kShift = 7, kTop = 148, kInf = 255;  // |x| < 2^(E - 126): e = 148 - E
+};
+
+// d += A B, int8 m16n8k32 (unsigned A and B, exact int32 sums).
+__device__ inline void imma(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                            uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One block's activations for the sliced mma: this lane's B fragments and the block's factors.
+struct SlicedX {
+  uint32_t b[2][4];  // [nibble half][a]: B of word row 4t + a, low (0) / high (1) nibbles
+  float unscale;     // 2^-e / 16 (t = 0) or 2^-e * 4096 (t = 1): see compute_sliced
+  float zsum;        // 16 sum(y) on lane t = 0, else 0
+};
+
+// The B planes: 16-byte chunk Q(t, s, h) holds slice s (byte s of u) of word rows 4t..4t+3,
+// nibble half h, one word per row; the XOR spreads the 8 lanes of a 16-byte read phase (slices
+// s, s + 1 of t = 0..3) and the 32 lanes of a 4-byte store (one slice) over distinct banks.
+__device__ inline int plane_chunk(int t, int s, int h) { return 8 * s + ((2 * t + h) ^ (s & 1)); }
+
+// Lane (r, h) = (lane / 2, lane % 2) converts input rows 32h + 2r + (0, 1) and 64 + 32h + 2r +
+// (0, 1) of the block: the k order of word row r's nibbles 2i (h = 0) or 2i + 1 (h = 1) as bytes
+// (rows 32h + 2r, 64 + 32h + 2r, 32h + 2r + 1, 64 + 32h + 2r + 1).
+template <typename T>
+__device__ inline SlicedX slice_x(const uint32_t* xw, uint32_t* plane) {
+  const int lane = threadIdx.x % 32;
+  const int r = lane / 2, h = lane % 2;
+  // every lane's copies of x have landed (cp.async waits are per lane), and the previous block's
+  // B fragments have been read
+  __syncwarp();
+  const uint32_t v01 = xw[16 * h + r], v23 = xw[32 + 16 * h + r];  // rows (0, 1), (64, 65) + ..
+  uint32_t m = __vmaxu2(v01 & 0x7FFF7FFFu, v23 & 0x7FFF7FFFu);  // |x| bits order as |x|
+  m = __reduce_max_sync(0xFFFFFFFFu, max(m & 0xFFFFu, m >> 16));
+  const int top = static_cast<int>(m >> SliceExp<T>::kShift);
+  const int e = min(SliceExp<T>::kTop - max(top, 1), 110);  // 2^e and 2^-e stay normal floats
+  const float up = __int_as_float((127 + e) << 23);
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: low 23 bits of (kMagic + y) are y + 2^22
+  const uint32_t f0 = __float_as_uint(__fmaf_rn(Dtype<T>::to_float(v01 & 0xFFFFu), up, kMagic));
+  const uint32_t f1 = __float_as_uint(__fmaf_rn(Dtype<T>::to_float(v23 & 0xFFFFu), up, kMagic));
+  const uint32_t f2 = __float_as_uint(__fmaf_rn(Dtype<T>::to_float(v01 >> 16), up, kMagic));
+  const uint32_t f3 = __float_as_uint(__fmaf_rn(Dtype<T>::to_float(v23 >> 16), up, kMagic));
+  const uint32_t lo01 = __byte_perm(f0, f1, 0x5140), lo23 = __byte_perm(f2, f3, 0x5140);
+  const uint32_t slice[3] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                             __byte_perm(__byte_perm(f0, f1, 0x0062), __byte_perm(f2, f3, 0x0062),
+                                         0x5410)};
+  // sum(u) over the block's 128 values (< 2^30), then sum(y) = sum(u) - 128 * 2^22
+  const uint32_t sum_u = __reduce_add_sync(0xFFFFFFFFu, f0 + f1 + f2 + f3 - 4u * 0x4B000000u);
+  const int sum_y = static_cast<int>(sum_u) - (1 << 29);
+
+#pragma unroll
+  for (int s = 0; s < 3; ++s) plane[4 * plane_chunk(r / 4, s, h) + r % 4] = slice[s];
+  __syncwarp();
+  const int g = lane / 4, t = lane % 4;
+  SlicedX out;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (g < 3) v = *reinterpret_cast<const uint4*>(plane + 4 * plane_chunk(t, g, hh));
+    if (g == 3) v = make_uint4(0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u);
+    out.b[hh][0] = v.x;
+    out.b[hh][1] = v.y;
+    out.b[hh][2] = v.z;
+    out.b[hh][3] = v.w;
+  }
+  // lane t = 0 holds columns (0, 1): D0 + 2^8 D1; t = 1 columns (2, 3): 2^16 (D2 - 2^6 D3)
+  out.unscale = top == SliceExp<T>::kInf ? __int_as_float(0x7FC00000)
+                                         : __int_as_float((127 - e + (t == 1 ? 12 : -4)) << 23);
+  out.zsum = t == 0 ? 16.0f * static_cast<float>(sum_y) : 0.0f;
+  return out;
+}
+
+// acc[0][c][2h] (lanes t = 0, 1; added across them at the segment's end, fold_sliced) += this
+// block's sums of column 4g + c + 32h.
+template <typename T, bool has_zeros>
+__device__ inline void compute_sliced(const Stage<1, false>& s, const SlicedX& x,
+                                      float (&acc)[1][4][4]) {
+  const int t = threadIdx.x % 4;
+  const int coef = t == 0 ? 256 : -64;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};  // q and 16 q parts
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {  // word rows 4t + 2u, 4t + 2u + 1
+      const uint32_t w00 = word_of(s.words[2 * u][0], c), w01 = word_of(s.words[2 * u][1], c);
+      const uint32_t w10 = word_of(s.words[2 * u + 1][0], c);
+      const uint32_t w11 = word_of(s.words[2 * u + 1][1], c);
+      imma(lo, w00 & 0x0F0F0F0Fu, w01 & 0x0F0F0F0Fu, w10 & 0x0F0F0F0Fu, w11 & 0x0F0F0F0Fu,
+           x.b[0][2 * u], x.b[0][2 * u + 1]);
+      imma(hi, w00 & 0xF0F0F0F0u, w01 & 0xF0F0F0F0u, w10 & 0xF0F0F0F0u, w11 & 0xF0F0F0F0u,
+           x.b[1][2 * u], x.b[1][2 * u + 1]);
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      // 16 sum(q u) over this lane's two columns, exact: < 2^31
+      const int v = 16 * lo[2 * hh] + hi[2 * hh] + coef * (16 * lo[2 * hh + 1] + hi[2 * hh + 1]);
+      const float z = has_zeros ? scale_of<T>(s.zero[hh][0], c) : 8.0f;
+      const float f = (static_cast<float>(v) - z * x.zsum) * x.unscale;
+      acc[0][c][2 * hh] = __fmaf_rn(f, scale_of<T>(s.scale[hh][0], c), acc[0][c][2 * hh]);
+    }
+  }
+}
+
+// Lanes t = 0 and 1 hold parts of each column's sum: add them (lane t = 0 is token row 0).
+__device__ inline void fold_sliced(float (&acc)[1][4][4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) acc[0][c][e] += __shfl_xor_sync(0xFFFFFFFFu, acc[0][c][e], 1);
+  }
+}
+
 // The reduction planes in shared memory: kWarps planes of 8 * MT token rows of kTileN fp32 values,
 // rows kRedStride floats apart so that the 16-byte stores of a phase (8 lanes, rows 2t + r,
 // columns 4g..) hit distinct banks. The end phase moves 16-byte units of 4 columns: unit u of a
@@ -679,6 +828,7 @@ template <typename T, int TOK, bool PQ, bool Z>
 __device__ inline void gemv_body(const Params& p) {
   constexpr int MT = Slot<TOK, PQ>::kMT;
   constexpr int kStages = stages<TOK>();
+  constexpr bool kSliced = sliced(TOK, PQ);
   // No static __shared__ variables: they are laid out ahead of this array. A 16-byte one cost the
   // M = 8 / 16 stacks 14% (H200: 1.403 vs 1.227 ms, 1.703 vs 1.482; gptq_w4a_2026-11-30x_notes).
   extern __shared__ __align__(16) unsigned char smem[];
@@ -721,6 +871,7 @@ __device__ inline void gemv_body(const Params& p) {
       cp_async_wait<kStages - 2>();  // block i has landed
       Stage<MT, PQ> cur;
       read_slot<TOK, PQ, Z>(p, ring[read], cur);
+      const Slot<TOK, PQ>& now = ring[read];
       read = read + 1 == kStages ? 0 : read + 1;
       if (i + kStages - 1 < seg.count) {  // refill the slot read in the previous step
         issue_slot<TOK, PQ, Z>(p, feed, ring[fill], true, true);
@@ -728,8 +879,18 @@ __device__ inline void gemv_body(const Params& p) {
         fill = fill + 1 == kStages ? 0 : fill + 1;
       }
       cp_async_commit();
-      compute<T, MT, PQ, Z>(cur, acc);
+      [[maybe_unused]] SlicedX sx;
+      if constexpr (kSliced) {
+        sx = slice_x<T>(reinterpret_cast<const uint32_t*>(now.x),
+                        reinterpret_cast<uint32_t*>(red + warp * 8 * kRedStride));
+      }
+      if constexpr (kSliced) {
+        compute_sliced<T, Z>(cur, sx, acc);
+      } else {
+        compute<T, MT, PQ, Z>(cur, acc);
+      }
     }
+    if constexpr (kSliced) fold_sliced(acc);
     // --- start the next segment's copies (the ring is drained), then flush this one
     const Segment done = seg;
     const bool more = item < end;

@@ -199,6 +199,57 @@ def test_cuda_kernel_rows_groups_and_partial_tiles(  # type: ignore[no-untyped-d
     assert torch.equal(lin(x), out)  # split tiles are summed in a fixed order
 
 
+# Powers of two for the ten 128-row blocks of test_cuda_one_token_int8_path_over_wide_ranges:
+# fp16 outputs stay normal, bf16 spans most of its exponent range.
+BLOCK_EXPONENTS = {
+    torch.float16: [-12, -8, -4, -1, 0, 2, 4, 7, 10, 12],
+    torch.bfloat16: [-100, -60, -20, -1, 0, 2, 20, 60, 90, 100],
+}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("group_size", "zero_mode", "desc_act"),
+    [(128, "sym_v1", False), (256, "v1", True), (-1, "v2", False)],
+)
+def test_cuda_one_token_int8_path_over_wide_ranges(  # type: ignore[no-untyped-def]
+    group_size, zero_mode, desc_act, dtype, monkeypatch
+) -> None:
+    """One token with 128-row or wider groups runs on int8 tensor cores over 24-bit integers,
+    one power of two per 128-row block (cuda_ext/gptq_gemv.cuh, "sliced"): each block alone at
+    its own magnitude, outlier channels, an all-zero input, a partial last block and partial
+    column tile, and a non-finite input (every output non-finite)."""
+    k, n = 1240, 136
+    ck = make_checkpoint(
+        seed=k + n + group_size, k=k, n=n, group_size=group_size, zero_mode=zero_mode,
+        desc_act=desc_act,
+    )  # fmt: skip
+    lin = GPTQLinear([ck.tensors], ck.config, dtype, device="cuda")
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    if select_path(torch.zeros(1, k, device="cuda", dtype=dtype), lin.segment(0)[0]) != "cuda":
+        pytest.skip("CUDA extension unavailable (see the warning)")
+    gen = torch.Generator().manual_seed(k)
+    inputs = []
+    for b, exp in enumerate(BLOCK_EXPONENTS[dtype]):
+        x = torch.zeros(1, k, dtype=torch.float64)
+        rows = slice(128 * b, min(128 * (b + 1), k))
+        x[:, rows] = torch.randn(1, rows.stop - rows.start, generator=gen, dtype=torch.float64)
+        inputs.append(x * 2.0**exp)
+    outliers = torch.randn(1, k, generator=gen, dtype=torch.float64)
+    outliers[:, ::97] *= 300  # a few channels far above the rest, as in LLM activations
+    inputs.append(outliers)
+    for x64 in inputs:
+        x = x64.to(dtype)
+        out = lin(x.cuda())
+        ref = reference_output(x.double(), [ck])
+        assert (out.double().cpu() - ref).abs().max() <= TOLERANCE[dtype] * ref.abs().max()
+    assert bool(lin(torch.zeros(1, k, device="cuda", dtype=dtype)).eq(0).all())
+    x = inputs[-1].to(dtype).cuda()
+    x[0, 5] = float("inf")
+    assert not bool(lin(x).isfinite().any())
+    assert bool(cuda_workspace(x.device).eq(-1).all())
+
+
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=["fp16", "bf16"])
 @pytest.mark.parametrize("tile", [64, 128, 256])
 @pytest.mark.parametrize(
