@@ -496,6 +496,7 @@ struct SlicedX {
 // nibble half h, one word per row; the XOR spreads the 8 lanes of a 16-byte read phase (slices
 // s, s + 1 of t = 0..3) and the 32 lanes of a 4-byte store (one slice) over distinct banks.
 __device__ inline int plane_chunk(int t, int s, int h) { return 8 * s + ((2 * t + h) ^ (s & 1)); }
+constexpr int kPlaneChunks = 8 * 3;  // slices 0..2; the ones column is not stored
 
 // Lane (r, h) = (lane / 2, lane % 2) converts input rows 32h + 2r + (0, 1) and 64 + 32h + 2r +
 // (0, 1) of the block: the k order of word row r's nibbles 2i (h = 0) or 2i + 1 (h = 1) as bytes
@@ -822,6 +823,7 @@ constexpr size_t smem_bytes() {
 // would leave 2 (a third fewer weights in flight), and the ring depth and the sharer cap were
 // tuned at 3.
 static_assert(3 * (smem_bytes<1, false>() + 1024) <= 228 * 1024, "M=1 no longer fits 3 CTAs/SM");
+static_assert(16 * kPlaneChunks <= sizeof(float) * 8 * kRedStride, "B planes exceed a warp's plane");
 
 // The kernel for one zero-point mode (Z: zeros given).
 template <typename T, int TOK, bool PQ, bool Z>
@@ -881,8 +883,9 @@ __device__ inline void gemv_body(const Params& p) {
       cp_async_commit();
       [[maybe_unused]] SlicedX sx;
       if constexpr (kSliced) {
+        // this warp's reduction plane is free until the segment's end
         sx = slice_x<T>(reinterpret_cast<const uint32_t*>(now.x),
-                        reinterpret_cast<uint32_t*>(red + warp * 8 * kRedStride));
+                        reinterpret_cast<uint32_t*>(red + warp * 8 * MT * kRedStride));
       }
       if constexpr (kSliced) {
         compute_sliced<T, Z>(cur, sx, acc);
