@@ -34,9 +34,8 @@
 // groups the pairs are scaled in T first (one rounding, as in the reference). The loop was bound
 // by instruction issue at small M (H200: a third fewer instructions per block cut the M=1 stack
 // by 16%), hence zero points as a template parameter (no per-column selects) and copy addresses
-// advanced by pointer increments (Feed). One token with block-wide groups skips the
-// dequantization: its mma is int8, on the raw nibbles and on the activations as integers (see
-// "sliced" below).
+// advanced by pointer increments (Feed). One token skips the dequantization: its mma is int8,
+// on the raw nibbles and on the activations as integers (see "sliced" below).
 //
 // Split tiles. A tile shared by CTAs first..last is the last segment of CTA first and the first
 // (or only) segment of the others, so a CTA writes at most one partial tile: the others store
@@ -441,7 +440,7 @@ __device__ inline void compute(const Stage<MT, PQ>& s, float (&acc)[MT][4][4]) {
   }
 }
 
-// --- One token with block-wide groups: int8 tensor cores on the activations' bytes ("sliced").
+// --- One token: int8 tensor cores on the activations' bytes ("sliced").
 //
 // At one token, 7 of the 8 columns of every m16n8k16's B operand are padding, and the mma count
 // (one per 256 weights) bounded the loop: removing the mmas cut the H200's M=1 stack by 0.16 ms.
@@ -454,15 +453,20 @@ __device__ inline void compute(const Stage<MT, PQ>& s, float (&acc)[MT][4][4]) {
 //   are B columns 0..2. Column 3 is all ones, so the mma also returns sum(q), and sum(q y) =
 //   D0 + 2^8 D1 + 2^16 (D2 - 2^6 D3) in exact integers.
 // - A is the weights' nibbles as bytes, straight from the packed words: w & 0x0F0F0F0F (q) and
-//   w & 0xF0F0F0F0 (16 q, summed apart and added in exactly). No dequantization.
-// - The block's float sum is (sum(q y) - z' sum(y)) * scale * 2^-e: exact integers inside a block
-//   and one scaling per block, as with the fp16 mma.
+//   w & 0xF0F0F0F0 (16 q, summed apart). No dequantization.
+// - A group's float sum is (sum(q y) - z' sum(y)) * scale * 2^-e: exact integers inside a group,
+//   one scaling per group, as with the fp16 mma.
+// - With groups smaller than a block (PQ: a scale per 32-row quarter), each B byte's quarter is
+//   fixed by the packing (see slice_x): columns 0..3 take the bytes of quarters 0 and 1, columns
+//   4..7 those of quarters 2 and 3, each nibble half summed apart, and the same 16 mma per block
+//   give every quarter its own sums.
 // The warp converts a block's activations together (4 per lane) into B planes in its reduction
 // plane (unused during the loop), then each lane loads its B fragments: 16 mma per block instead
-// of 32, and one LOP3 per 4 weights. H200, M=1 stack: 1.12 -> 1.06-1.075 ms. Two tokens on
-// columns 4..7 were no faster (M=2 runs 2 CTAs per SM: 1.140 -> 1.131 ms), so M=2 keeps fp16.
+// of 32, and one LOP3 per 4 weights. H200, M=1 stacks: g128 1.12 -> 1.06-1.08 ms, g64 1.41 ->
+// 1.23. Two tokens on columns 4..7 were no faster (M=2 runs 2 CTAs per SM: 1.140 -> 1.131 ms),
+// so M >= 2 keeps the fp16 mma.
 
-__host__ __device__ constexpr bool sliced(int TOK, bool PQ) { return TOK == 1 && !PQ; }
+__host__ __device__ constexpr bool sliced(int TOK) { return TOK == 1; }
 
 // The float exponent of a block's largest |x| sets e: fp16 / bf16 exponent field E of |x| bits.
 template <typename T>
@@ -485,11 +489,12 @@ __device__ inline void imma(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One block's activations for the sliced mma: this lane's B fragments and the block's factors.
+// One block's activations for the sliced mma: this lane's B fragments and the factors of its D
+// columns 2t, 2t + 1.
 struct SlicedX {
   uint32_t b[2][4];  // [nibble half][a]: B of word row 4t + a, low (0) / high (1) nibbles
-  float unscale;     // 2^-e / 16 (t = 0) or 2^-e * 4096 (t = 1): see compute_sliced
-  float zsum;        // 16 sum(y) on lane t = 0, else 0
+  float unscale;     // 2^-e, times 2^16 on odd t (see compute_sliced), / 16 without quarters
+  float zsum[2];     // sum(y) of the low / high nibbles' rows (see compute_sliced); odd t: 0
 };
 
 // The B planes: 16-byte chunk Q(t, s, h) holds slice s (byte s of u) of word rows 4t..4t+3,
@@ -498,10 +503,13 @@ struct SlicedX {
 __device__ inline int plane_chunk(int t, int s, int h) { return 8 * s + ((2 * t + h) ^ (s & 1)); }
 constexpr int kPlaneChunks = 8 * 3;  // slices 0..2; the ones column is not stored
 
-// Lane (r, h) = (lane / 2, lane % 2) converts input rows 32h + 2r + (0, 1) and 64 + 32h + 2r +
-// (0, 1) of the block: the k order of word row r's nibbles 2i (h = 0) or 2i + 1 (h = 1) as bytes
-// (rows 32h + 2r, 64 + 32h + 2r, 32h + 2r + 1, 64 + 32h + 2r + 1).
-template <typename T>
+// Lane (r, h) = (lane / 2, lane % 2) converts input rows 32h + 2r + (0, 1) (quarter h) and 64 +
+// 32h + 2r + (0, 1) (quarter 2 + h) of the block: the k order of word row r's nibbles 2i (h = 0)
+// or 2i + 1 (h = 1) as bytes (rows 32h + 2r, 64 + 32h + 2r, 32h + 2r + 1, 64 + 32h + 2r + 1).
+// Bytes 0 and 2 of every B word are then rows of quarters 0 (low nibbles) and 1 (high), bytes 1
+// and 3 rows of quarters 2 and 3. With per-quarter scales (PQ), B columns 0..3 keep bytes 0, 2
+// and columns 4..7 bytes 1, 3: each column holds one quarter of each nibble half.
+template <typename T, bool PQ>
 __device__ inline SlicedX slice_x(const uint32_t* xw, uint32_t* plane) {
   const int lane = threadIdx.x % 32;
   const int r = lane / 2, h = lane % 2;
@@ -523,39 +531,70 @@ __device__ inline SlicedX slice_x(const uint32_t* xw, uint32_t* plane) {
   const uint32_t slice[3] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
                              __byte_perm(__byte_perm(f0, f1, 0x0062), __byte_perm(f2, f3, 0x0062),
                                          0x5410)};
-  // sum(u) over the block's 128 values (< 2^30), then sum(y) = sum(u) - 128 * 2^22
-  const uint32_t sum_u = __reduce_add_sync(0xFFFFFFFFu, f0 + f1 + f2 + f3 - 4u * 0x4B000000u);
-  const int sum_y = static_cast<int>(sum_u) - (1 << 29);
+  // sum(u) over rows (< 2^30), then sum(y) = sum(u) - rows * 2^22: the block's, or per quarter
+  const uint32_t near = f0 + f2 - 2u * 0x4B000000u, far = f1 + f3 - 2u * 0x4B000000u;
+  int sum_y[4];  // [quarter]; without quarters [0] is the block's
+  if constexpr (PQ) {
+    sum_y[0] = static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, h == 0 ? near : 0u)) - (1 << 27);
+    sum_y[1] = static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, h == 1 ? near : 0u)) - (1 << 27);
+    sum_y[2] = static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, h == 0 ? far : 0u)) - (1 << 27);
+    sum_y[3] = static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, h == 1 ? far : 0u)) - (1 << 27);
+  } else {
+    sum_y[0] = static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, near + far)) - (1 << 29);
+  }
 
 #pragma unroll
   for (int s = 0; s < 3; ++s) plane[4 * plane_chunk(r / 4, s, h) + r % 4] = slice[s];
   __syncwarp();
   const int g = lane / 4, t = lane % 4;
+  // B column g: slice g % 4 (g % 4 == 3: ones) under a byte mask; without quarters columns 4..7
+  // are zero
+  const uint32_t mask = PQ ? (g < 4 ? 0x00FF00FFu : 0xFF00FF00u) : (g < 4 ? 0xFFFFFFFFu : 0u);
   SlicedX out;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (g < 3) v = *reinterpret_cast<const uint4*>(plane + 4 * plane_chunk(t, g, hh));
-    if (g == 3) v = make_uint4(0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u);
-    out.b[hh][0] = v.x;
-    out.b[hh][1] = v.y;
-    out.b[hh][2] = v.z;
-    out.b[hh][3] = v.w;
+    uint4 v = make_uint4(0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u);
+    if (g % 4 < 3) v = *reinterpret_cast<const uint4*>(plane + 4 * plane_chunk(t, g % 4, hh));
+    out.b[hh][0] = v.x & mask;
+    out.b[hh][1] = v.y & mask;
+    out.b[hh][2] = v.z & mask;
+    out.b[hh][3] = v.w & mask;
   }
-  // lane t = 0 holds columns (0, 1): D0 + 2^8 D1; t = 1 columns (2, 3): 2^16 (D2 - 2^6 D3)
+  // even t holds columns 2t, 2t + 1 = slices 0, 1: D0 + 2^8 D1; odd t slice 2 and the ones:
+  // 2^16 (D2 - 2^6 D3); without quarters the sums are 16 times the integers
+  const int shift = (t % 2 == 1 ? 16 : 0) - (PQ ? 0 : 4);
   out.unscale = top == SliceExp<T>::kInf ? __int_as_float(0x7FC00000)
-                                         : __int_as_float((127 - e + (t == 1 ? 12 : -4)) << 23);
-  out.zsum = t == 0 ? 16.0f * static_cast<float>(sum_y) : 0.0f;
+                                         : __int_as_float((127 - e + shift) << 23);
+  const bool sums = t % 2 == 0 && (PQ || t == 0);
+  if constexpr (PQ) {
+    out.zsum[0] = sums ? static_cast<float>(t < 2 ? sum_y[0] : sum_y[2]) : 0.0f;
+    out.zsum[1] = sums ? static_cast<float>(t < 2 ? sum_y[1] : sum_y[3]) : 0.0f;
+  } else {
+    out.zsum[0] = sums ? 16.0f * static_cast<float>(sum_y[0]) : 0.0f;
+    out.zsum[1] = 0.0f;
+  }
   return out;
 }
 
-// acc[0][c][2h] (lanes t = 0, 1; added across them at the segment's end, fold_sliced) += this
-// block's sums of column 4g + c + 32h.
-template <typename T, bool has_zeros>
-__device__ inline void compute_sliced(const Stage<1, false>& s, const SlicedX& x,
+// acc[0][c][2h] (lanes t = 0..3; added across them at the segment's end, fold_sliced) += this
+// block's part of column 4g + c + 32h. Without quarters, lanes t = 0, 1 hold the whole block;
+// with them, t = 0, 1 quarters 0 (low nibbles) and 1 (high), t = 2, 3 quarters 2 and 3.
+template <typename T, bool PQ, bool has_zeros>
+__device__ inline void compute_sliced(const Stage<1, PQ>& s, const SlicedX& x,
                                       float (&acc)[1][4][4]) {
   const int t = threadIdx.x % 4;
-  const int coef = t == 0 ? 256 : -64;
+  const int coef = t % 2 == 0 ? 256 : -64;
+  constexpr int kQ = Stage<1, PQ>::kQ;
+  uint2 sc[2][2], zr[2][2];  // [h][nibble half]: the scales and z' of this lane's quarters
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int q0 = PQ ? n : 0, q2 = PQ ? 2 + n : 0;  // constant indices: registers
+      sc[hh][n] = t < 2 ? s.scale[hh][q0 % kQ] : s.scale[hh][q2 % kQ];
+      zr[hh][n] = t < 2 ? s.zero[hh][q0 % kQ] : s.zero[hh][q2 % kQ];
+    }
+  }
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};  // q and 16 q parts
@@ -571,21 +610,34 @@ __device__ inline void compute_sliced(const Stage<1, false>& s, const SlicedX& x
     }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      // 16 sum(q u) over this lane's two columns, exact: < 2^31
-      const int v = 16 * lo[2 * hh] + hi[2 * hh] + coef * (16 * lo[2 * hh + 1] + hi[2 * hh + 1]);
-      const float z = has_zeros ? scale_of<T>(s.zero[hh][0], c) : 8.0f;
-      const float f = (static_cast<float>(v) - z * x.zsum) * x.unscale;
-      acc[0][c][2 * hh] = __fmaf_rn(f, scale_of<T>(s.scale[hh][0], c), acc[0][c][2 * hh]);
+      const float z0 = has_zeros ? scale_of<T>(zr[hh][0], c) : 8.0f;
+      if constexpr (PQ) {  // each nibble half its own quarter: scaled apart
+        const int v_lo = lo[2 * hh] + coef * lo[2 * hh + 1];
+        const int v_hi = (hi[2 * hh] + coef * hi[2 * hh + 1]) / 16;  // exact
+        const float z1 = has_zeros ? scale_of<T>(zr[hh][1], c) : 8.0f;
+        const float f = (static_cast<float>(v_lo) - z0 * x.zsum[0]) * scale_of<T>(sc[hh][0], c) +
+                        (static_cast<float>(v_hi) - z1 * x.zsum[1]) * scale_of<T>(sc[hh][1], c);
+        acc[0][c][2 * hh] = __fmaf_rn(f, x.unscale, acc[0][c][2 * hh]);
+      } else {  // 16 sum(q u) over this lane's two columns, exact: < 2^31
+        const int v = 16 * lo[2 * hh] + hi[2 * hh] + coef * (16 * lo[2 * hh + 1] + hi[2 * hh + 1]);
+        const float f = (static_cast<float>(v) - z0 * x.zsum[0]) * x.unscale;
+        acc[0][c][2 * hh] = __fmaf_rn(f, scale_of<T>(sc[hh][0], c), acc[0][c][2 * hh]);
+      }
     }
   }
 }
 
-// Lanes t = 0 and 1 hold parts of each column's sum: add them (lane t = 0 is token row 0).
+// Add each column's parts across lanes t = 0..3 (two of them without quarters): lane t = 0 is
+// token row 0.
+template <bool PQ>
 __device__ inline void fold_sliced(float (&acc)[1][4][4]) {
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
 #pragma unroll
-    for (int e = 0; e < 4; e += 2) acc[0][c][e] += __shfl_xor_sync(0xFFFFFFFFu, acc[0][c][e], 1);
+    for (int e = 0; e < 4; e += 2) {
+      acc[0][c][e] += __shfl_xor_sync(0xFFFFFFFFu, acc[0][c][e], 1);
+      if constexpr (PQ) acc[0][c][e] += __shfl_xor_sync(0xFFFFFFFFu, acc[0][c][e], 2);
+    }
   }
 }
 
@@ -830,7 +882,7 @@ template <typename T, int TOK, bool PQ, bool Z>
 __device__ inline void gemv_body(const Params& p) {
   constexpr int MT = Slot<TOK, PQ>::kMT;
   constexpr int kStages = stages<TOK>();
-  constexpr bool kSliced = sliced(TOK, PQ);
+  constexpr bool kSliced = sliced(TOK);
   // No static __shared__ variables: they are laid out ahead of this array. A 16-byte one cost the
   // M = 8 / 16 stacks 14% (H200: 1.403 vs 1.227 ms, 1.703 vs 1.482; gptq_w4a_2026-11-30x_notes).
   extern __shared__ __align__(16) unsigned char smem[];
@@ -884,16 +936,16 @@ __device__ inline void gemv_body(const Params& p) {
       [[maybe_unused]] SlicedX sx;
       if constexpr (kSliced) {
         // this warp's reduction plane is free until the segment's end
-        sx = slice_x<T>(reinterpret_cast<const uint32_t*>(now.x),
+        sx = slice_x<T, PQ>(reinterpret_cast<const uint32_t*>(now.x),
                         reinterpret_cast<uint32_t*>(red + warp * 8 * MT * kRedStride));
       }
       if constexpr (kSliced) {
-        compute_sliced<T, Z>(cur, sx, acc);
+        compute_sliced<T, PQ, Z>(cur, sx, acc);
       } else {
         compute<T, MT, PQ, Z>(cur, acc);
       }
     }
-    if constexpr (kSliced) fold_sliced(acc);
+    if constexpr (kSliced) fold_sliced<PQ>(acc);
     // --- start the next segment's copies (the ring is drained), then flush this one
     const Segment done = seg;
     const bool more = item < end;

@@ -210,15 +210,21 @@ BLOCK_EXPONENTS = {
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=["fp16", "bf16"])
 @pytest.mark.parametrize(
     ("group_size", "zero_mode", "desc_act"),
-    [(128, "sym_v1", False), (256, "v1", True), (-1, "v2", False)],
+    [
+        (128, "sym_v1", False),
+        (256, "v1", True),
+        (-1, "v2", False),
+        (64, "v2", True),  # a scale per 32-row quarter from here on
+        (32, "sym_v1", False),
+    ],
 )
 def test_cuda_one_token_int8_path_over_wide_ranges(  # type: ignore[no-untyped-def]
     group_size, zero_mode, desc_act, dtype, monkeypatch
 ) -> None:
-    """One token with 128-row or wider groups runs on int8 tensor cores over 24-bit integers,
-    one power of two per 128-row block (cuda_ext/gptq_gemv.cuh, "sliced"): each block alone at
-    its own magnitude, outlier channels, an all-zero input, a partial last block and partial
-    column tile, and a non-finite input (every output non-finite)."""
+    """One token runs on int8 tensor cores over 24-bit integers, one power of two per 128-row
+    block (cuda_ext/gptq_gemv.cuh, "sliced"), with a scale per block or per 32-row quarter: each
+    block alone at its own magnitude, outlier channels, an all-zero input, a partial last block
+    and partial column tile, and a non-finite input (every output non-finite)."""
     k, n = 1240, 136
     ck = make_checkpoint(
         seed=k + n + group_size, k=k, n=n, group_size=group_size, zero_mode=zero_mode,
