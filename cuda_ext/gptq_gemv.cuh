@@ -466,8 +466,6 @@ __device__ inline void compute(const Stage<MT, PQ>& s, float (&acc)[MT][4][4]) {
 // 1.23. Two tokens on columns 4..7 were no faster (M=2 runs 2 CTAs per SM: 1.140 -> 1.131 ms),
 // so M >= 2 keeps the fp16 mma.
 
-__host__ __device__ constexpr bool sliced(int TOK) { return TOK == 1; }
-
 // The float exponent of a block's largest |x| sets e: fp16 / bf16 exponent field E of |x| bits.
 template <typename T>
 struct SliceExp;
@@ -882,7 +880,7 @@ template <typename T, int TOK, bool PQ, bool Z>
 __device__ inline void gemv_body(const Params& p) {
   constexpr int MT = Slot<TOK, PQ>::kMT;
   constexpr int kStages = stages<TOK>();
-  constexpr bool kSliced = sliced(TOK);
+  constexpr bool kSliced = TOK == 1;  // the int8 path (see "sliced")
   // No static __shared__ variables: they are laid out ahead of this array. A 16-byte one cost the
   // M = 8 / 16 stacks 14% (H200: 1.403 vs 1.227 ms, 1.703 vs 1.482; gptq_w4a_2026-11-30x_notes).
   extern __shared__ __align__(16) unsigned char smem[];
