@@ -931,13 +931,11 @@ __device__ inline void gemv_body(const Params& p) {
         fill = fill + 1 == kStages ? 0 : fill + 1;
       }
       cp_async_commit();
-      [[maybe_unused]] SlicedX sx;
       if constexpr (kSliced) {
         // this warp's reduction plane is free until the segment's end
-        sx = slice_x<T, PQ>(reinterpret_cast<const uint32_t*>(now.x),
-                        reinterpret_cast<uint32_t*>(red + warp * 8 * MT * kRedStride));
-      }
-      if constexpr (kSliced) {
+        const SlicedX sx = slice_x<T, PQ>(
+            reinterpret_cast<const uint32_t*>(now.x),
+            reinterpret_cast<uint32_t*>(red + warp * 8 * MT * kRedStride));
         compute_sliced<T, PQ, Z>(cur, sx, acc);
       } else {
         compute<T, MT, PQ, Z>(cur, acc);
