@@ -582,15 +582,14 @@ __device__ inline void compute_sliced(const Stage<1, PQ>& s, const SlicedX& x,
                                       float (&acc)[1][4][4]) {
   const int t = threadIdx.x % 4;
   const int coef = t % 2 == 0 ? 256 : -64;
-  constexpr int kQ = Stage<1, PQ>::kQ;
   uint2 sc[2][2], zr[2][2];  // [h][nibble half]: the scales and z' of this lane's quarters
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int q0 = PQ ? n : 0, q2 = PQ ? 2 + n : 0;  // constant indices: registers
-      sc[hh][n] = t < 2 ? s.scale[hh][q0 % kQ] : s.scale[hh][q2 % kQ];
-      zr[hh][n] = t < 2 ? s.zero[hh][q0 % kQ] : s.zero[hh][q2 % kQ];
+      sc[hh][n] = t < 2 ? s.scale[hh][q0] : s.scale[hh][q2];
+      zr[hh][n] = t < 2 ? s.zero[hh][q0] : s.zero[hh][q2];
     }
   }
 #pragma unroll
