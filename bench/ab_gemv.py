@@ -3,7 +3,8 @@ side in one process, checks each against the torch reference, then times the W4a
 interleaved, so that every figure of a comparison comes from the same process and GPU state.
 
 A version is NAME=DIR, DIR a copy of cuda_ext/ (gptq_gemv.cu, gptq_gemv.cuh, gptq_host.h), e.g.
-the working tree's `cuda_ext` and a copy of the last commit's:
+the working tree's `cuda_ext` and a copy of the last commit's (versions named probe... are timed
+but not checked: builds with parts of the work taken out):
 
     mkdir -p .dev/cur && git archive HEAD cuda_ext | tar -x -C .dev/cur
     PYTHONPATH=. python3 bench/ab_gemv.py cur=.dev/cur/cuda_ext new=cuda_ext --ms 1,8,16
@@ -15,7 +16,8 @@ points, bias on odd M: each result must be within the tolerance of the reference
 when asked twice, and leave the workspace all -1. Timing: the bench's 128 launches (32 layers of
 qkv / o / gate_up / down, g128 sym, fp16) in one CUDA graph, median of 20 replays, per version and
 M, over --rounds rounds that alternate the versions; then µs per launch of each shape (32
-same-shape launches in one graph). Prints one table; --log writes it to a file too.
+same-shape launches in one graph); with --clocks, the SM clock and board power during each stack.
+Prints one table; --log writes it to a file too.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,6 +145,31 @@ def stack(op: Op, weights: list[PackedGPTQWeight], m: int, ws: torch.Tensor) -> 
     return graphed(run)
 
 
+def clocks(fn: Callable[[], None], seconds: float) -> tuple[float, float]:
+    """Median SM clock (MHz) and board power (W) that nvidia-smi samples (every 50 ms) while `fn`
+    replays back to back for `seconds`."""
+    query = "--query-gpu=clocks.sm,power.draw"
+    smi = subprocess.Popen(
+        ["nvidia-smi", query, "--format=csv,noheader,nounits", "-lms", "50"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+    smi.terminate()
+    out, _ = smi.communicate()
+    samples = []
+    for line in out.splitlines():
+        try:
+            samples.append([float(v) for v in line.split(",")])
+        except ValueError:  # "[N/A]" and the like
+            continue
+    tail = samples[len(samples) // 4 :] or [[0.0, 0.0]]  # past the first quarter: warmed up
+    return statistics.median(s[0] for s in tail), statistics.median(s[1] for s in tail)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -152,6 +180,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-check", action="store_true", help="timing only (probes)")
     parser.add_argument("--log", type=Path, default=None)
+    parser.add_argument(
+        "--clocks", type=float, default=0.0, help="also replay each stack this many seconds while "
+        "nvidia-smi samples the SM clock and the board power",
+    )  # fmt: skip
     parser.add_argument("--build-only", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     specs = [spec.partition("=")[::2] for spec in args.versions]
@@ -174,8 +206,8 @@ def main() -> None:
     versions = {name: build(name, Path(path), root) for name, path in specs}
     print(f"built {', '.join(versions)}", flush=True)
     lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; " + " ".join(sys.argv)]
-    if not args.no_check:
-        bad = check(versions)
+    if not args.no_check:  # probes (timing only) are versions named probe*
+        bad = check({n: op for n, op in versions.items() if not n.startswith("probe")})
         lines.append(f"check: {len(bad)} bad")
         lines += bad[:20]
     weights = pagedq_weights()
@@ -208,6 +240,12 @@ def main() -> None:
             rounds = " ".join(f"{t:.3f}" for t in ts)
             per = " / ".join(f"{v:.1f}" for v in layer)
             lines.append(f"| {m} | {name} | {statistics.median(ts):.3f} ({rounds}) | {per} |")
+    if args.clocks > 0:
+        lines += ["", "| M | version | SM MHz | board W |", "| --- | --- | --- | --- |"]
+        for m in ms:
+            for name in versions:
+                mhz, watts = clocks(stacks[(name, m)], args.clocks)
+                lines.append(f"| {m} | {name} | {mhz:.0f} | {watts:.0f} |")
     text = "\n".join(lines)
     print(text, flush=True)
     if args.log is not None:

@@ -48,8 +48,15 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   const int resident = gptq_host::resident_ctas(
       "gptq_gemv", reinterpret_cast<const void*>(kernel), gptq::kThreads, smem, device);
   const int64_t sharers = gptq::max_sharers(p.M, p.num_blocks);
-  const int64_t runs = gptq::gemv_split(p, 1).runs;
+  const int64_t runs = gptq::gemv_split(p, 1, gptq::slices_for(p.M)).runs;
   const int ctas = static_cast<int>(std::min<int64_t>({resident, runs, sharers * p.tiles}));
+  // A grid smaller than the resident slots (the capped o and down at 16 tokens: 256 CTAs, 3 slots
+  // per SM) would be packed onto fewer SMs; padded shared memory keeps it to ceil(ctas / SMs).
+  const size_t launch_smem =
+      p.M > 8
+          ? gptq_host::spread_smem(reinterpret_cast<const void*>(kernel), gptq::kThreads, smem,
+                                   ctas, resident, device)
+          : smem;
 
   const int64_t slots = int64_t{ctas} * p.M * gptq::kTileN;
   TORCH_CHECK(workspace.numel() >= slots, "gptq_gemv: ", ctas, " CTAs x ", p.M, " rows x ",
@@ -57,7 +64,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
               workspace.numel());
   at::Tensor out = gptq_host::bind(p, x, qweight, scales, zeros, bias, workspace);
   const bool pdl = gptq_host::capability(device) >= 90;  // programmatic dependent launch
-  gptq_host::launch(kernel, ctas, gptq::kThreads, smem, pdl, p);
+  gptq_host::launch(kernel, ctas, gptq::kThreads, launch_smem, pdl, p);
   return out;
 }
 

@@ -8,20 +8,21 @@
 // zeros are [G, N] in T; zeros hold z' as exact integers (nullptr: every z' is 8).
 //
 // Work split. Items are (column tile of kTileN = 64 columns, 128-row block), in tile-major order,
-// cut into runs of kWarps blocks (a tile's last run may be shorter). The grid is persistent (one
-// CTA per resident slot) and CTA c owns runs [c * runs / C, (c + 1) * runs / C), a contiguous item
-// range: every SM streams about the same bytes whatever the layer's shape ("stream-K"), and a
-// CTA's segments are whole runs, so its warps get equal block counts except in a tile's last run
-// (see Split). A CTA walks its range one tile segment at a time; warp w takes the segment's
-// blocks w, w + 4, ... through its own ring of shared-memory slots filled by cp.async, keeping
-// STAGES - 1 blocks in flight while it computes one. Each lane reads back only what it copied,
-// so the ring needs cp.async waits and no barriers. The next segment's first loads are issued
+// cut into runs of one block per K-slice (a tile's last run may be shorter; a slice is a warp, or
+// a pair of warps from 9 tokens on: see Pairs). The grid is persistent (one CTA per resident
+// slot) and CTA c owns runs [c * runs / C, (c + 1) * runs / C), a contiguous item range: every SM
+// streams about the same bytes whatever the layer's shape ("stream-K"), and a CTA's segments are
+// whole runs, so its slices get equal block counts except in a tile's last run (see Split). A
+// CTA walks its range one tile segment at a time; slice s of S takes the segment's blocks s,
+// s + S, ... through its own ring of shared-memory slots filled by cp.async, keeping kStages - 1
+// blocks in flight while it computes one. Each lane reads back only what it copied, so the ring
+// needs cp.async waits and no barriers (but a pair's). The next segment's first loads are issued
 // before the current segment's partial sums are flushed.
 //
 // Warp tile. Lane (g, t) = (lane / 4, lane % 4) copies word rows 4t + j (j = 0..3) of columns
 // 4g..4g+3 and 32+4g..32+4g+3 (16 bytes each: a warp copy is 4 rows x 2 x 128 bytes). mma
 // m16n8k16 takes the weights as A: the 16 rows of n-tile c = 0..3 are columns {4g + c, 32 + 4g +
-// c}. mma (p, jj) takes nibble pair p of word rows 4t + 2jj and 4t + 2jj + 1 as A's k pairs (2t,
+// c} (in a pair, see Pairs, {4g + 2c, 4g + 2c + 1} of the warp's half). mma (p, jj) takes nibble pair p of word rows 4t + 2jj and 4t + 2jj + 1 as A's k pairs (2t,
 // 2t + 8), i.e. input rows 32p + 8t + 4jj + (0, 1) and (2, 3). B (activations, 8 tokens per n8
 // tile) is then words 2jj and 2jj + 1 of x[token][32p + 8t .. + 7], two adjacent registers of
 // one 16-byte copy per (p, token tile) per block. One mma per weight word and token tile.
@@ -50,6 +51,18 @@
 // time (one stream). A launch that faults mid-way leaves the CUDA context unusable, so no later
 // launch sees a half-used workspace.
 //
+// Pairs (9..16 tokens). A slot then holds 16 tokens' activations, as many bytes as its weights,
+// and a warp taking the whole 64-column tile needed 222 registers: 2 CTAs per SM. Instead the two
+// warps of a pair share a slice and its ring: warp h copies and computes columns 32h..32h+31 (the
+// 4 columns of each lane's 16-byte words in its half) and copies token tile h's activations; both
+// read all of them, after a named barrier per block (each warp's cp.async waits cover its own
+// copies only). A warp holds half the weights (158 registers) and a CTA two rings, so 3 CTAs fit
+// per SM (12 warps). Runs are then 2 blocks, one per slice; grids below the resident slots (o and
+// down are capped at 4 CTAs per tile) get padded shared memory so that they spread over all SMs
+// instead of filling some with 3 (host: spread_smem). H200 stacks in one process, M=16: 1.496 ms
+// without pairs, 1.480 with them, 1.585 without the padding (o 7.2 µs and down 14.0 against 6.3
+// and 11.5).
+//
 // PDL (programmatic dependent launch, sm_90+): each CTA lets the next kernel launch at once and
 // copies its first weights before waiting for the previous kernel; x, out and the workspace are
 // only touched after the wait.
@@ -63,6 +76,7 @@
 
 namespace pagedq {
 namespace gptq {
+
 
 constexpr int kBlockK = 128;  // input rows per packed block
 constexpr int kTileN = 64;    // output columns per tile (one warp covers all of them)
@@ -78,13 +92,20 @@ constexpr int kMaxSharers = 4;
 __host__ __device__ inline int max_sharers(int m, int num_blocks) {
   return m == 1 && num_blocks > 32 ? kMaxSharers + 1 : kMaxSharers;
 }
-// Ring slots per warp: 3 up to 8 tokens (H200: 4 was no faster and fits 2 CTAs/SM, not 3); 2 for
-// 16 tokens, whose slots hold twice the activations: with 3, one CTA per SM (M=16 stack 3.11 ms,
-// with 2: 2.49; 2 for 8 tokens was slower: 1.85 vs 1.76).
+// K-slices of a CTA: slice s takes blocks s, s + slices, ... of each segment. Up to 8 tokens each
+// warp is a slice of its own and covers all 64 columns of the tile. From 9 tokens two warps make
+// a slice ("pairs", see Pairs) and share its ring.
+__host__ __device__ constexpr int slices_for(int m) { return m > 8 ? 2 : kWarps; }
 template <int TOK>
-__host__ __device__ constexpr int stages() {
-  return TOK > 8 ? 2 : 3;
+__host__ __device__ constexpr bool paired() {
+  return slices_for(TOK) < kWarps;
 }
+// Ring slots per slice: 3 up to 8 tokens (H200: 4 was no faster and fits 2 CTAs/SM, not 3). At 16
+// tokens a slot holds twice the activations, and one warp per slot left room for 2 slots at 2 CTAs
+// per SM (3 slots: one CTA per SM, M=16 stack 3.11 ms against 2.49). A pair's 3 slots fit 3 CTAs
+// per SM (H200 stacks in one process, bench/ab_gemv.py: M=16 2 slots 1.641 ms, 3 1.480, 4 (2 CTAs
+// per SM) 1.539; gptq_w4a_2026-12-01j_notes.md).
+constexpr int kStages = 3;
 
 template <typename T>
 struct Dtype;
@@ -163,14 +184,15 @@ struct Params {
   int tiles, num_blocks;   // ceil(N / kTileN), ceil(K / kBlockK)
 };
 
-// One block's operands for one lane, in registers.
-template <int MT, bool PQ>
+// One block's operands for one lane, in registers: WH column halves (2, or the warp's own one
+// in a pair).
+template <int MT, bool PQ, int WH = 2>
 struct Stage {
   static constexpr int kQ = PQ ? 4 : 1;  // scale rows per block: per 32-row quarter p, or one
-  uint4 words[4][2];   // [j][h]: word row 4t + j, columns 4g.. (h = 0) / 32 + 4g.. (h = 1)
-  uint4 x[MT][4];      // [token tile][p]: x[8 tt + g][128 b + 32 p + 8 t .. + 7]
-  uint2 scale[2][kQ];  // [h][q]: the 4 columns' scales
-  uint2 zero[2][kQ];   // the 4 columns' z' (unused without zeros)
+  uint4 words[4][WH];   // [j][h]: word row 4t + j, columns 4g.. (h = 0) / 32 + 4g.. (h = 1)
+  uint4 x[MT][4];       // [token tile][p]: x[8 tt + g][128 b + 32 p + 8 t .. + 7]
+  uint2 scale[WH][kQ];  // [h][q]: the 4 columns' scales
+  uint2 zero[WH][kQ];   // the 4 columns' z' (unused without zeros)
 };
 
 // One warp's ring slot for one block. Word row r sits at word_offset(r), so the 16-byte reads of
@@ -211,6 +233,16 @@ __device__ inline void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
+// The two warps of pair `slice` (0 or 1) meet at named barrier 1 + slice (barrier 0 is
+// __syncthreads); constant ids, so that ptxas reserves only those.
+__device__ inline void pair_sync(int slice) {
+  if (slice == 0) {
+    asm volatile("bar.sync 1, 64;" ::: "memory");
+  } else {
+    asm volatile("bar.sync 2, 64;" ::: "memory");
+  }
+}
+
 __device__ inline void pdl_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -236,7 +268,9 @@ __host__ __device__ inline int64_t group_row(const P& p, int b, int q) {
   return grp < p.num_groups - 1 ? grp : p.num_groups - 1;
 }
 
-// This lane's source addresses for its warp's next block b (blocks advance by kWarps).
+// This lane's source addresses for its warp's next block b (blocks advance by kStep, the CTA's
+// slices).
+template <int kStep>
 struct Feed {
   const int32_t* w;   // word row 16b + 4t of column tile * 64 + 4g
   const uint16_t* x;  // x[g < M ? g : 0][128b + 8t]
@@ -254,22 +288,27 @@ struct Feed {
     return f;
   }
   __device__ void advance(const Params& p) {
-    b += kWarps;
-    w += static_cast<int64_t>(kWarps) * 16 * p.N;
-    x += kWarps * kBlockK;
+    b += kStep;
+    w += static_cast<int64_t>(kStep) * 16 * p.N;
+    x += kStep * kBlockK;
   }
 };
 
-// Copy this lane's share of block f.b into `slot`: weights, scales and zeros (Z), and/or x.
+// Copy this lane's share of block f.b into `slot`: weights, scales and zeros (Z) of column
+// halves `half`.. (all of them but in a pair), and/or x of token tiles `half`.. (likewise).
 template <int TOK, bool PQ, bool Z>
-__device__ inline void issue_slot(const Params& p, const Feed& f, Slot<TOK, PQ>& slot,
-                                  bool with_weights, bool with_x) {
+__device__ inline void issue_slot(const Params& p, const Feed<slices_for(TOK)>& f,
+                                  Slot<TOK, PQ>& slot,
+                                  bool with_weights, bool with_x, int half) {
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
+  constexpr int kHalves = paired<TOK>() ? 1 : 2;
+  constexpr int kTiles = paired<TOK>() ? 1 : Slot<TOK, PQ>::kMT;
   if (with_weights) {
     const int64_t n = p.N;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int hh = 0; hh < kHalves; ++hh) {
+      const int h = half + hh;
       const bool ok = f.col + 32 * h < p.N;  // N % 8 == 0: the 4 columns exist together
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -281,7 +320,8 @@ __device__ inline void issue_slot(const Params& p, const Feed& f, Slot<TOK, PQ>&
     for (int q = 0; q < Slot<TOK, PQ>::kQ; ++q) {
       const int64_t at = group_row(p, f.b, q) * n + f.col;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int hh = 0; hh < kHalves; ++hh) {
+        const int h = half + hh;
         const bool ok = f.col + 32 * h < p.N;
         const int e = 2 * (h * Slot<TOK, PQ>::kQ + q);
         cp_async<8>(&slot.params[e][lane], static_cast<const uint16_t*>(p.scales) + at + 32 * h,
@@ -296,7 +336,8 @@ __device__ inline void issue_slot(const Params& p, const Feed& f, Slot<TOK, PQ>&
   if (with_x && g < Slot<TOK, PQ>::kTPT) {
     const int k0 = f.b * kBlockK + 8 * t;
 #pragma unroll
-    for (int tt = 0; tt < Slot<TOK, PQ>::kMT; ++tt) {
+    for (int ti = 0; ti < kTiles; ++ti) {
+      const int tt = half + ti;
       const int m = 8 * tt + g;
       const uint16_t* row = tt == 0 ? f.x : f.x + (m < p.M ? 8 * p.x_stride : 0);
 #pragma unroll
@@ -308,17 +349,18 @@ __device__ inline void issue_slot(const Params& p, const Feed& f, Slot<TOK, PQ>&
   }
 }
 
-template <int TOK, bool PQ, bool Z>
+// The warp's column halves `half`.. (see issue_slot) and all token tiles of `slot`.
+template <int TOK, bool PQ, bool Z, int WH>
 __device__ inline void read_slot(const Params& p, const Slot<TOK, PQ>& slot,
-                                 Stage<Slot<TOK, PQ>::kMT, PQ>& s) {
+                                 Stage<Slot<TOK, PQ>::kMT, PQ, WH>& s, int half) {
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      s.words[j][h] = *reinterpret_cast<const uint4*>(slot.words + word_offset(4 * t + j) +
-                                                      16 * g + 128 * h);
+    for (int hh = 0; hh < WH; ++hh) {
+      s.words[j][hh] = *reinterpret_cast<const uint4*>(slot.words + word_offset(4 * t + j) +
+                                                       16 * g + 128 * (half + hh));
     }
   }
 #pragma unroll
@@ -329,12 +371,12 @@ __device__ inline void read_slot(const Params& p, const Slot<TOK, PQ>& slot,
     }
   }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int hh = 0; hh < WH; ++hh) {
 #pragma unroll
-    for (int q = 0; q < Stage<Slot<TOK, PQ>::kMT, PQ>::kQ; ++q) {
-      const int e = 2 * (h * Slot<TOK, PQ>::kQ + q);
-      s.scale[h][q] = slot.params[e][lane];
-      s.zero[h][q] = Z ? slot.params[e + 1][lane] : make_uint2(0, 0);
+    for (int q = 0; q < Slot<TOK, PQ>::kQ; ++q) {
+      const int e = 2 * ((half + hh) * Slot<TOK, PQ>::kQ + q);
+      s.scale[hh][q] = slot.params[e][lane];
+      s.zero[hh][q] = Z ? slot.params[e + 1][lane] : make_uint2(0, 0);
     }
   }
 }
@@ -369,27 +411,40 @@ __device__ inline float scale_of(const uint2& v, int c) {
   return c % 2 == 0 ? __low2float(pair) : __high2float(pair);
 }
 
+// The n-tiles of a warp's columns: n-tile c's A rows g (r = 0) and g + 8 (r = 1) are column
+// 4g + c + 32r with both halves (word c of half r), or 4g + 2c + r of the warp's half in a pair
+// (word 2c + r of its one half).
+template <int WH>
+struct NTiles {
+  static constexpr int kCount = 2 * WH;
+  __device__ static constexpr int half(int r) { return WH == 2 ? r : 0; }
+  __device__ static constexpr int word(int c, int r) { return WH == 2 ? c : 2 * c + r; }
+};
+
 // acc[tt][c] += this block's products (n-tile c, token tile tt).
-template <typename T, int MT, bool PQ, bool has_zeros>
-__device__ inline void compute(const Stage<MT, PQ>& s, float (&acc)[MT][4][4]) {
+template <typename T, int MT, bool PQ, bool has_zeros, int WH>
+__device__ inline void compute(const Stage<MT, PQ, WH>& s,
+                               float (&acc)[MT][NTiles<WH>::kCount][4]) {
+  using NT = NTiles<WH>;
   constexpr uint32_t kMagic = Dtype<T>::kMagicBits;
   constexpr uint32_t kDefaultZero = kMagic + 0x00080008u;  // MAGIC + 8 in both halves, exact
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    uint32_t zb[2][4], sc[2][4];  // [h][p]: MAGIC + z' and scale of column 4g + c (+ 32 h)
+  for (int c = 0; c < NT::kCount; ++c) {
+    uint32_t zb[2][4], sc[2][4];  // [r][p]: MAGIC + z' and scale of A row g + 8r's column
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int r = 0; r < 2; ++r) {
+      const int h = NT::half(r), wi = NT::word(c, r);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int qi = PQ ? q : 0;
-        if constexpr (PQ) sc[h][q] = half_of(s.scale[h][q], c);
+        if constexpr (PQ) sc[r][q] = half_of(s.scale[h][q], wi);
         // MAGIC + z' is exact: z' <= 16 lands on an integer step of MAGIC's binade
         if (Dtype<T>::kHighNibbles && q % 2 == 1) {
           // odd quarters: (MAGIC + 16 q) / 16 - (64 + z') = q - z' in one exact HFMA2
-          zb[h][q] = has_zeros ? fma2<T>(half_of(s.zero[h][qi], c), 0xBC00BC00u, 0xD400D400u)
+          zb[r][q] = has_zeros ? fma2<T>(half_of(s.zero[h][qi], wi), 0xBC00BC00u, 0xD400D400u)
                                : 0xD480D480u;  // -(64 + 8)
         } else {
-          zb[h][q] = has_zeros ? add2<T>(kMagic, half_of(s.zero[h][qi], c)) : kDefaultZero;
+          zb[r][q] = has_zeros ? add2<T>(kMagic, half_of(s.zero[h][qi], wi)) : kDefaultZero;
         }
       }
     }
@@ -401,22 +456,22 @@ __device__ inline void compute(const Stage<MT, PQ>& s, float (&acc)[MT][4][4]) {
     for (int q = 0; q < 4; ++q) {
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
-        uint32_t a[4];  // [j' * 2 + h]: rows 32q + 8t + 4jj + 2j' (+1) of column 4g + c (+ 32 h)
+        uint32_t a[4];  // [j' * 2 + r]: rows 32q + 8t + 4jj + 2j' (+1) of A row g + 8r
 #pragma unroll
         for (int jp = 0; jp < 2; ++jp) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t w = word_of(s.words[2 * jj + jp][h], c);
+          for (int r = 0; r < 2; ++r) {
+            const uint32_t w = word_of(s.words[2 * jj + jp][NT::half(r)], NT::word(c, r));
             uint32_t d;
             if constexpr (Dtype<T>::kHighNibbles) {
               const uint32_t src = q >= 2 ? w >> 8 : w;
-              d = q % 2 == 0 ? sub2<T>(nibble_pair(src, kMagic), zb[h][q])
-                             : fma2<T>(nibble_pair_hi(src, kMagic), 0x2C002C00u, zb[h][q]);
+              d = q % 2 == 0 ? sub2<T>(nibble_pair(src, kMagic), zb[r][q])
+                             : fma2<T>(nibble_pair_hi(src, kMagic), 0x2C002C00u, zb[r][q]);
             } else {
-              d = sub2<T>(nibble_pair(w >> (4 * q), kMagic), zb[h][q]);
+              d = sub2<T>(nibble_pair(w >> (4 * q), kMagic), zb[r][q]);
             }
-            if constexpr (PQ) d = mul2<T>(d, sc[h][q]);
-            a[2 * jp + h] = d;
+            if constexpr (PQ) d = mul2<T>(d, sc[r][q]);
+            a[2 * jp + r] = d;
           }
         }
 #pragma unroll
@@ -427,8 +482,8 @@ __device__ inline void compute(const Stage<MT, PQ>& s, float (&acc)[MT][4][4]) {
       }
     }
     if constexpr (!PQ) {
-      const float s0 = scale_of<T>(s.scale[0][0], c);  // column 4g + c
-      const float s1 = scale_of<T>(s.scale[1][0], c);  // 32 + 4g + c
+      const float s0 = scale_of<T>(s.scale[NT::half(0)][0], NT::word(c, 0));  // A row g
+      const float s1 = scale_of<T>(s.scale[NT::half(1)][0], NT::word(c, 1));  // A row g + 8
 #pragma unroll
       for (int tt = 0; tt < MT; ++tt) {
         acc[tt][c][0] += part[tt][0] * s0;
@@ -650,22 +705,29 @@ __device__ inline float* unit_at(float* red, int u) {
   return red + u / kUnitsPerRow * kRedStride + u % kUnitsPerRow * 4;
 }
 
-// Sum the warps' accumulators of the first M token rows into plane 0 of red. No barrier after
-// the sums: see kRedStride.
-template <int MT>
-__device__ inline void reduce_warps(const Params& p, const float (&acc)[MT][4][4], float* red) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+// Sum the slices' accumulators of the first M token rows into plane 0 of red (plane s: slice
+// s; the warps of a pair fill its two column halves). No barrier after the sums: see kRedStride.
+template <int MT, int WH, int kSlices>
+__device__ inline void reduce_warps(const Params& p, const float (&acc)[MT][2 * WH][4],
+                                    float* red, int slice, int half) {
+  const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   constexpr int kPlane = 8 * MT * kRedStride;
-  float* mine = red + warp * kPlane;
+  float* mine = red + slice * kPlane;
 #pragma unroll
   for (int tt = 0; tt < MT; ++tt) {
 #pragma unroll
-    // acc[tt][c][e] is token 8 tt + 2t + e % 2, column 32 (e / 2) + 4g + c
     for (int e = 0; e < 4; ++e) {
-      const int row = 8 * tt + 2 * t + e % 2, col = 32 * (e / 2) + 4 * g;
-      *reinterpret_cast<float4*>(mine + row * kRedStride + col) =
-          make_float4(acc[tt][0][e], acc[tt][1][e], acc[tt][2][e], acc[tt][3][e]);
+      const int row = 8 * tt + 2 * t + e % 2;
+      if constexpr (WH == 2) {
+        // acc[tt][c][e] is token 8 tt + 2t + e % 2, column 32 (e / 2) + 4g + c
+        *reinterpret_cast<float4*>(mine + row * kRedStride + 32 * (e / 2) + 4 * g) =
+            make_float4(acc[tt][0][e], acc[tt][1][e], acc[tt][2][e], acc[tt][3][e]);
+      } else if (e < 2) {
+        // acc[tt][c][e] is token 8 tt + 2t + e % 2, column 32 half + 4g + 2c + e / 2
+        *reinterpret_cast<float4*>(mine + row * kRedStride + 32 * half + 4 * g) =
+            make_float4(acc[tt][0][e], acc[tt][0][e + 2], acc[tt][1][e], acc[tt][1][e + 2]);
+      }
     }
   }
   __syncthreads();
@@ -673,7 +735,7 @@ __device__ inline void reduce_warps(const Params& p, const float (&acc)[MT][4][4
     float4* sum = reinterpret_cast<float4*>(unit_at(red, u));
     float4 v = *sum;
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) {
+    for (int w = 1; w < kSlices; ++w) {
       const float4 o = sum[w * kPlane / 4];
       v.x += o.x;
       v.y += o.y;
@@ -715,9 +777,10 @@ struct Split {
   }
 };
 
-// The GEMV's split of `p` over `ctas` CTAs (the host sizes the grid from its runs).
-__host__ __device__ inline Split gemv_split(const Params& p, int ctas) {
-  return Split(p.tiles, p.num_blocks, kWarps, ctas);
+// The GEMV's split of `p` over `ctas` CTAs (the host sizes the grid from its runs): runs of
+// slices_for(p.M) blocks, one per slice (a constant in the kernel).
+__host__ __device__ inline Split gemv_split(const Params& p, int ctas, int slices) {
+  return Split(p.tiles, p.num_blocks, slices, ctas);
 }
 
 // out[m, n..n+3] = v (+ bias), n = tile * kTileN + col (N % 8 == 0: the 4 columns exist
@@ -843,29 +906,33 @@ __device__ inline void finish(const Params& p, int owned, float* red, const Spli
   }
 }
 
-// A CTA's run of blocks [b0, b1) in one column tile; warp w takes blocks b0 + w + i kWarps.
+// A CTA's run of blocks [b0, b1) in one column tile; slice s of kSlices takes blocks
+// b0 + s + i kSlices.
+template <int kSlices = kWarps>
 struct Segment {
-  int tile, b0, b1, count, warp;
-  __host__ __device__ int block(int i) const { return b0 + warp + i * kWarps; }
+  int tile, b0, b1, count, slice;
+  __host__ __device__ int block(int i) const { return b0 + slice + i * kSlices; }
 };
 
-__host__ __device__ inline Segment segment_at(const Params& p, int64_t item, int64_t end,
-                                               int warp) {
-  Segment s;
+template <int kSlices = kWarps>
+__host__ __device__ inline Segment<kSlices> segment_at(const Params& p, int64_t item, int64_t end,
+                                                        int slice) {
+  Segment<kSlices> s;
   s.tile = static_cast<int>(item / p.num_blocks);
   s.b0 = static_cast<int>(item % p.num_blocks);
   const int64_t left = end - item;
   s.b1 = left < p.num_blocks - s.b0 ? s.b0 + static_cast<int>(left) : p.num_blocks;
-  s.count = s.b1 - s.b0 > warp ? (s.b1 - s.b0 - warp + kWarps - 1) / kWarps : 0;
-  s.warp = warp;
+  s.count = s.b1 - s.b0 > slice ? (s.b1 - s.b0 - slice + kSlices - 1) / kSlices : 0;
+  s.slice = slice;
   return s;
 }
 
-// Dynamic shared memory of one CTA: each warp's ring, then the reduction planes.
+// Dynamic shared memory of one CTA: each slice's ring, then the reduction planes.
 template <int TOK, bool PQ>
 constexpr size_t smem_bytes() {
-  return sizeof(Slot<TOK, PQ>) * stages<TOK>() * kWarps +
-         sizeof(float) * kWarps * 8 * Slot<TOK, PQ>::kMT * kRedStride;
+  constexpr int kSlices = slices_for(TOK);
+  return sizeof(Slot<TOK, PQ>) * kStages * kSlices +
+         sizeof(float) * kSlices * 8 * Slot<TOK, PQ>::kMT * kRedStride;
 }
 // One token with block-wide groups (M=1 decode of g128 / g-1 checkpoints) fits 3 CTAs per SM on
 // the H200: 228 KB of shared memory per SM, 1 KB of it reserved per CTA. A few more bytes per CTA
@@ -878,29 +945,32 @@ static_assert(16 * kPlaneChunks <= sizeof(float) * 8 * kRedStride, "B planes exc
 template <typename T, int TOK, bool PQ, bool Z>
 __device__ inline void gemv_body(const Params& p) {
   constexpr int MT = Slot<TOK, PQ>::kMT;
-  constexpr int kStages = stages<TOK>();
   constexpr bool kSliced = TOK == 1;  // the int8 path (see "sliced")
+  constexpr int kSlices = slices_for(TOK);
+  constexpr int kWH = paired<TOK>() ? 1 : 2;  // column halves a warp holds
   // No static __shared__ variables: they are laid out ahead of this array. A 16-byte one cost the
   // M = 8 / 16 stacks 14% (H200: 1.403 vs 1.227 ms, 1.703 vs 1.482; gptq_w4a_2026-11-30x_notes).
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32;
-  Slot<TOK, PQ>* ring = reinterpret_cast<Slot<TOK, PQ>*>(smem) + warp * kStages;
-  float* red = reinterpret_cast<float*>(smem + sizeof(Slot<TOK, PQ>) * kStages * kWarps);
+  const int slice = warp / (kWarps / kSlices);  // and `half`: the warp's place in its pair
+  const int half = paired<TOK>() ? warp % 2 : 0;
+  Slot<TOK, PQ>* ring = reinterpret_cast<Slot<TOK, PQ>*>(smem) + slice * kStages;
+  float* red = reinterpret_cast<float*>(smem + sizeof(Slot<TOK, PQ>) * kStages * kSlices);
   pdl_launch_dependents();
 
-  const Split split = gemv_split(p, gridDim.x);
+  const Split split = gemv_split(p, gridDim.x, kSlices);
   const int64_t begin = split.begin(blockIdx.x), end = split.end(blockIdx.x);
   int owned = -1;  // the split tile this CTA finishes (see finish)
 
   // --- the first segment's weights go out before waiting for the previous kernel
-  Segment seg = segment_at(p, begin, end, warp);
+  Segment<kSlices> seg = segment_at<kSlices>(p, begin, end, slice);
   int64_t item = begin + (seg.b1 - seg.b0);
-  Feed feed = Feed::at(p, seg.tile, seg.block(0));
+  Feed<kSlices> feed = Feed<kSlices>::at(p, seg.tile, seg.block(0));
   {
-    Feed f = feed;
+    Feed<kSlices> f = feed;
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
-      if (i < seg.count) issue_slot<TOK, PQ, Z>(p, f, ring[i], true, false);
+      if (i < seg.count) issue_slot<TOK, PQ, Z>(p, f, ring[i], true, false, half);
       f.advance(p);
     }
   }
@@ -909,7 +979,7 @@ __device__ inline void gemv_body(const Params& p) {
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
     if (i < seg.count) {
-      issue_slot<TOK, PQ, Z>(p, feed, ring[i], false, true);
+      issue_slot<TOK, PQ, Z>(p, feed, ring[i], false, true, half);
       fill = i + 1;
     }
     feed.advance(p);
@@ -917,15 +987,17 @@ __device__ inline void gemv_body(const Params& p) {
   }
 
   while (true) {
-    float acc[MT][4][4] = {};
+    float acc[MT][2 * kWH][4] = {};
     for (int i = 0; i < seg.count; ++i) {
       cp_async_wait<kStages - 2>();  // block i has landed
-      Stage<MT, PQ> cur;
-      read_slot<TOK, PQ, Z>(p, ring[read], cur);
+      // a pair: the partner's copies of block i have landed too, and it has read block i - 1
+      if constexpr (paired<TOK>()) pair_sync(slice);
+      Stage<MT, PQ, kWH> cur;
+      read_slot<TOK, PQ, Z, kWH>(p, ring[read], cur, half);
       const Slot<TOK, PQ>& now = ring[read];
       read = read + 1 == kStages ? 0 : read + 1;
       if (i + kStages - 1 < seg.count) {  // refill the slot read in the previous step
-        issue_slot<TOK, PQ, Z>(p, feed, ring[fill], true, true);
+        issue_slot<TOK, PQ, Z>(p, feed, ring[fill], true, true, half);
         feed.advance(p);
         fill = fill + 1 == kStages ? 0 : fill + 1;
       }
@@ -937,28 +1009,28 @@ __device__ inline void gemv_body(const Params& p) {
             reinterpret_cast<uint32_t*>(red + warp * 8 * MT * kRedStride));
         compute_sliced<T, PQ, Z>(cur, sx, acc);
       } else {
-        compute<T, MT, PQ, Z>(cur, acc);
+        compute<T, MT, PQ, Z, kWH>(cur, acc);
       }
     }
     if constexpr (kSliced) fold_sliced<PQ>(acc);
     // --- start the next segment's copies (the ring is drained), then flush this one
-    const Segment done = seg;
+    const Segment<kSlices> done = seg;
     const bool more = item < end;
     if (more) {
-      seg = segment_at(p, item, end, warp);
+      seg = segment_at<kSlices>(p, item, end, slice);
       item += seg.b1 - seg.b0;
-      feed = Feed::at(p, seg.tile, seg.block(0));
+      feed = Feed<kSlices>::at(p, seg.tile, seg.block(0));
 #pragma unroll
       for (int i = 0; i < kStages - 1; ++i) {
         if (i < seg.count) {
-          issue_slot<TOK, PQ, Z>(p, feed, ring[fill], true, true);
+          issue_slot<TOK, PQ, Z>(p, feed, ring[fill], true, true, half);
           feed.advance(p);
           fill = fill + 1 == kStages ? 0 : fill + 1;
         }
         cp_async_commit();
       }
     }
-    reduce_warps<MT>(p, acc, red);
+    reduce_warps<MT, kWH, kSlices>(p, acc, red, slice, half);
     const bool whole = done.b0 == 0 && done.b1 == p.num_blocks;
     if (!whole && done.b0 == 0) {
       owned = done.tile;  // the CTA is the tile's first contributor: red stays for finish

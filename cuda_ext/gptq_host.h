@@ -9,10 +9,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 namespace pagedq {
@@ -116,6 +118,36 @@ inline int resident_ctas(const char* op, const void* kernel, int threads, size_t
   TORCH_CHECK(per_sm > 0, op, ": the kernel does not fit on device ", device);
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return cache.emplace(key, per_sm * sms).first->second;
+}
+
+// Dynamic shared memory for a launch of `ctas` CTAs of `kernel` (`smem` bytes each, `resident`
+// slots on the device): when ceil(ctas / SMs) is below the slots per SM, padded so that no more
+// CTAs than that fit on one SM, and the grid spreads over all SMs. Found once per (kernel, device,
+// ctas).
+inline size_t spread_smem(const void* kernel, int threads, size_t smem, int ctas, int resident,
+                          int device) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int>, size_t> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(kernel, device, ctas);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int sms = 0, per_sm_bytes = 0, reserved = 0, optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int per_sm = resident / sms, want = (ctas + sms - 1) / sms;
+  if (want >= per_sm) return cache.emplace(key, smem).first->second;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm_bytes,
+                                        cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock,
+                                        device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  // want + 1 CTAs of this size overflow the SM, want of them fit; the attribute is only a cap
+  const size_t padded = std::max<size_t>(smem, per_sm_bytes / (want + 1) - reserved + 128);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+  int fits = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, kernel, threads, padded));
+  // elsewhere (another limit binds first): no padding, the grid as it would have been
+  return cache.emplace(key, fits == want ? padded : smem).first->second;
 }
 
 // The problem's shape in the kernel parameters: x [M, K], qweight [Kp/8, N], scales [G, N].

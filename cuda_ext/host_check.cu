@@ -1,8 +1,8 @@
 // Checks the CUDA kernel's work split and shared-memory placement on the CPU (no GPU needed).
 //
 // Usage: host_check TILES NUM_BLOCKS RUN CTAS... Each CTA count is checked with the kernels' own
-// helpers (Split with runs of RUN blocks: kWarps for the GEMV, 1 for the wgmma GEMM; segment_at,
-// Segment::block, word_offset from gptq_gemv.cuh):
+// helpers (Split with runs of RUN blocks: kWarps for the GEMV, 2 for its 16-token pairs, 1 for
+// the wgmma GEMM; segment_at, Segment::block, word_offset from gptq_gemv.cuh):
 // - every item (column tile, 128-row block) is taken by exactly one warp of exactly one CTA;
 // - a tile is written directly by a CTA only when that CTA owns all of it; otherwise its
 //   contributors are exactly the CTAs Split::contributors names, the tile is the last segment of
@@ -40,6 +40,8 @@ int fail(const char* what, long a, long b, long c) {
   return 1;
 }
 
+// kSlices: the CTA's K-slices (kWarps; 2 for the GEMV's 16-token pairs, whose runs are 2 blocks).
+template <int kSlices>
 int check_split(int tiles, int num_blocks, int run, int ctas) {
   Params p{};
   p.tiles = tiles;
@@ -57,12 +59,12 @@ int check_split(int tiles, int num_blocks, int run, int ctas) {
     const int64_t begin = split.begin(c), end = split.end(c);
     if (begin >= end) return fail("empty CTA", c, begin, end);
     for (int64_t item = begin; item < end;) {
-      const Segment s0 = segment_at(p, item, end, 0);
+      const Segment<kSlices> s0 = segment_at<kSlices>(p, item, end, 0);
       if (s0.b0 % run != 0 || (s0.b1 % run != 0 && s0.b1 != num_blocks)) {
         return fail("a segment not made of whole runs", c, s0.b0, s0.b1);
       }
-      for (int w = 0; w < kWarps; ++w) {
-        const Segment s = segment_at(p, item, end, w);
+      for (int w = 0; w < kSlices; ++w) {
+        const Segment<kSlices> s = segment_at<kSlices>(p, item, end, w);
         for (int i = 0; i < s.count; ++i) {
           const int b = s.block(i);
           if (b < s.b0 || b >= s.b1) return fail("block outside its segment", c, w, b);
@@ -156,7 +158,10 @@ int main(int argc, char** argv) {
   const int tiles = std::atoi(argv[1]), num_blocks = std::atoi(argv[2]), run = std::atoi(argv[3]);
   if (check_banks() != 0) return 1;
   for (int a = 4; a < argc; ++a) {
-    if (check_split(tiles, num_blocks, run, std::atoi(argv[a])) != 0) return 1;
+    const int ctas = std::atoi(argv[a]);
+    const int bad = run == 2 ? check_split<2>(tiles, num_blocks, run, ctas)
+                             : check_split<kWarps>(tiles, num_blocks, run, ctas);
+    if (bad != 0) return 1;
   }
   std::printf("ok\n");
   return 0;

@@ -189,6 +189,11 @@ def host_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (192, 32, 4, [396, 264, 132]),  # qkv 4096 -> 12288
         (64, 32, 4, [396, 256, 320, 511, 512]),  # o 4096 -> 4096 (256: at most 4 CTAs per tile)
         (64, 86, 4, [396, 256, 320, 1408]),  # down 11008 -> 4096 (a short last run per tile)
+        # the GEMV at 9..16 tokens (runs of 2 blocks, one per pair of warps)
+        (344, 32, 2, [396, 264, 5504]),  # gate_up
+        (64, 32, 2, [256, 396, 1024]),  # o
+        (64, 86, 2, [256, 396, 2752]),  # down (a short last run per tile)
+        (3, 5, 2, [1, 2, 4, 6, 9]),
         (1, 1, 4, [1]),
         (3, 5, 4, [1, 2, 4, 5, 6]),
         (3, 5, 1, [1, 2, 4, 7, 14, 15]),
