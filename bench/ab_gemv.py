@@ -2,9 +2,10 @@
 side in one process, checks each against the torch reference, then times the W4a stack with them
 interleaved, so that every figure of a comparison comes from the same process and GPU state.
 
-A version is NAME=DIR, DIR a copy of cuda_ext/ (gptq_gemv.cu, gptq_gemv.cuh, gptq_host.h), e.g.
-the working tree's `cuda_ext` and a copy of the last commit's (versions named probe... are timed
-but not checked: builds with parts of the work taken out):
+A version is NAME=DIR, DIR a copy of cuda_ext/ (gptq_gemv.cu, gptq_gemv.cuh, gptq_host.h), or
+NAME=FILE.diff, a diff against this tree's cuda_ext/gptq_gemv.cuh; e.g. the working tree's
+`cuda_ext` and a copy of the last commit's (versions named probe... are timed but not checked:
+builds with parts of the work taken out):
 
     mkdir -p .dev/cur && git archive HEAD cuda_ext | tar -x -C .dev/cur
     PYTHONPATH=. python3 bench/ab_gemv.py cur=.dev/cur/cuda_ext new=cuda_ext --ms 1,8,16
@@ -64,15 +65,20 @@ TORCH_LIBRARY_IMPL(ab_NAME, CUDA, m) { m.impl("gptq_gemv", &pagedq::gptq_gemv_cu
 
 
 def build(name: str, src: Path, root: Path) -> Op:
-    """Compile version `name` from `src` (a cuda_ext copy) into root/name; returns its op."""
+    """Compile version `name` from `src` (a cuda_ext copy, or a .diff against this tree's
+    cuda_ext/gptq_gemv.cuh) into root/name; returns its op."""
     from torch.utils import cpp_extension
 
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
         raise SystemExit(f"version name {name!r}: letters, digits and _ only")
     work = root / name
     work.mkdir(parents=True, exist_ok=True)
+    base = Path(__file__).resolve().parent.parent / "cuda_ext" if src.suffix == ".diff" else src
     for f in SOURCES:
-        shutil.copy(src / f, work / f)
+        shutil.copy(base / f, work / f)
+    if src.suffix == ".diff":
+        patch = ["patch", "-s", str(work / "gptq_gemv.cuh"), str(src.resolve())]
+        subprocess.run(patch, check=True)
     (work / "ab_bind.cpp").write_text(BINDINGS.replace("NAME", name))
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
@@ -174,7 +180,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("versions", nargs="+", help="NAME=DIR (a copy of cuda_ext/)")
+    parser.add_argument(
+        "versions", nargs="+", help="NAME=DIR (a copy of cuda_ext/) or NAME=FILE.diff"
+    )
     parser.add_argument("--ms", default="1,8,16", help="token counts to time, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
