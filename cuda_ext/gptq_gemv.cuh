@@ -195,7 +195,7 @@ struct Stage {
   uint2 zero[WH][kQ];   // the 4 columns' z' (unused without zeros)
 };
 
-// One warp's ring slot for one block. Word row r sits at word_offset(r), so the 16-byte reads of
+// One slice's ring slot for one block. Word row r sits at word_offset(r), so the 16-byte reads of
 // the 8 lanes of a shared-memory phase hit distinct banks; x and params are lane-interleaved.
 template <int TOK, bool PQ>
 struct Slot {
@@ -693,7 +693,7 @@ __device__ inline void fold_sliced(float (&acc)[1][4][4]) {
   }
 }
 
-// The reduction planes in shared memory: kWarps planes of 8 * MT token rows of kTileN fp32 values,
+// The reduction planes in shared memory: a plane per slice of 8 * MT token rows of kTileN values,
 // rows kRedStride floats apart so that the 16-byte stores of a phase (8 lanes, rows 2t + r,
 // columns 4g..) hit distinct banks. The end phase moves 16-byte units of 4 columns: unit u of a
 // tile is row u / kUnitsPerRow, columns 4 (u % kUnitsPerRow) ..; thread threadIdx.x takes units
