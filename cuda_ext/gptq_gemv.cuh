@@ -22,10 +22,11 @@
 // Warp tile. Lane (g, t) = (lane / 4, lane % 4) copies word rows 4t + j (j = 0..3) of columns
 // 4g..4g+3 and 32+4g..32+4g+3 (16 bytes each: a warp copy is 4 rows x 2 x 128 bytes). mma
 // m16n8k16 takes the weights as A: the 16 rows of n-tile c = 0..3 are columns {4g + c, 32 + 4g +
-// c} (in a pair, see Pairs, {4g + 2c, 4g + 2c + 1} of the warp's half). mma (p, jj) takes nibble pair p of word rows 4t + 2jj and 4t + 2jj + 1 as A's k pairs (2t,
-// 2t + 8), i.e. input rows 32p + 8t + 4jj + (0, 1) and (2, 3). B (activations, 8 tokens per n8
-// tile) is then words 2jj and 2jj + 1 of x[token][32p + 8t .. + 7], two adjacent registers of
-// one 16-byte copy per (p, token tile) per block. One mma per weight word and token tile.
+// c} (in a pair, see Pairs, {4g + 2c, 4g + 2c + 1} of the warp's half). mma (p, jj) takes nibble
+// pair p of word rows 4t + 2jj and 4t + 2jj + 1 as A's k pairs (2t, 2t + 8), i.e. input rows
+// 32p + 8t + 4jj + (0, 1) and (2, 3). B (activations, 8 tokens per n8 tile) is then words 2jj and
+// 2jj + 1 of x[token][32p + 8t .. + 7], two adjacent registers of one 16-byte copy per (p, token
+// tile) per block. One mma per weight word and token tile.
 //
 // Dequantization. ((word >> 4p) & 0x000F000F) | MAGIC read as a T pair is (MAGIC + q, MAGIC + q')
 // exactly (fp16 MAGIC 1024, bf16 128); subtracting MAGIC + z' is exact. In fp16 the odd pairs
@@ -77,9 +78,8 @@
 namespace pagedq {
 namespace gptq {
 
-
 constexpr int kBlockK = 128;  // input rows per packed block
-constexpr int kTileN = 64;    // output columns per tile (one warp covers all of them)
+constexpr int kTileN = 64;    // output columns per tile (one warp, or a pair, covers them)
 constexpr int kWarps = 4;     // warps per CTA
 constexpr int kThreads = kWarps * 32;
 // The grid has at most max_sharers CTAs per column tile, so about as many share a tile: the
@@ -940,6 +940,9 @@ constexpr size_t smem_bytes() {
 // tuned at 3.
 static_assert(3 * (smem_bytes<1, false>() + 1024) <= 228 * 1024, "M=1 no longer fits 3 CTAs/SM");
 static_assert(16 * kPlaneChunks <= sizeof(float) * 8 * kRedStride, "B planes exceed a warp's plane");
+// Pairs with block-wide groups fit 3 CTAs per SM too (see Pairs); with a scale per quarter
+// (32/64-row groups) their larger parameter slots leave 2 (one before the pairs).
+static_assert(3 * (smem_bytes<16, false>() + 1024) <= 228 * 1024, "pairs no longer fit 3 CTAs/SM");
 
 // The kernel for one zero-point mode (Z: zeros given).
 template <typename T, int TOK, bool PQ, bool Z>
