@@ -31,13 +31,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from bench.gptq_stacks import LAYERS, SHAPES, graphed, pagedq_weights, time_ms
+from bench.gptq_stacks import LAYERS, SHAPES, graphed, pagedq_weights, smi_query, time_ms
 from pagedq.ops import gptq as ops
 from pagedq.ops.gptq import PackedGPTQWeight
 
@@ -151,31 +150,6 @@ def stack(op: Op, weights: list[PackedGPTQWeight], m: int, ws: torch.Tensor) -> 
     return graphed(run)
 
 
-def clocks(fn: Callable[[], None], seconds: float) -> tuple[float, float]:
-    """Median SM clock (MHz) and board power (W) that nvidia-smi samples (every 50 ms) while `fn`
-    replays back to back for `seconds`."""
-    query = "--query-gpu=clocks.sm,power.draw"
-    smi = subprocess.Popen(
-        ["nvidia-smi", query, "--format=csv,noheader,nounits", "-lms", "50"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-    smi.terminate()
-    out, _ = smi.communicate()
-    samples = []
-    for line in out.splitlines():
-        try:
-            samples.append([float(v) for v in line.split(",")])
-        except ValueError:  # "[N/A]" and the like
-            continue
-    tail = samples[len(samples) // 4 :] or [[0.0, 0.0]]  # past the first quarter: warmed up
-    return statistics.median(s[0] for s in tail), statistics.median(s[1] for s in tail)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -252,7 +226,8 @@ def main() -> None:
         lines += ["", "| M | version | SM MHz | board W |", "| --- | --- | --- | --- |"]
         for m in ms:
             for name in versions:
-                mhz, watts = clocks(stacks[(name, m)], args.clocks)
+                got = smi_query("clocks.sm,power.draw", args.clocks, stacks[(name, m)])
+                mhz, watts = got if got is not None else (0.0, 0.0)
                 lines.append(f"| {m} | {name} | {mhz:.0f} | {watts:.0f} |")
     text = "\n".join(lines)
     print(text, flush=True)

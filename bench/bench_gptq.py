@@ -45,6 +45,7 @@ from bench.gptq_stacks import (
     module_stack,
     pagedq_stack,
     pagedq_weights,
+    smi_query,
     time_ms,
     tinygemm_layers,
     tinygemm_stack,
@@ -66,6 +67,11 @@ def measure(fn: Stack, nbytes: int, repeats: int) -> dict[str, float]:
     eager = time_ms(fn, max(3, repeats // 4))
     graph = time_ms(graphed(fn), repeats)
     return {"graph_ms": graph, "eager_ms": eager, "tbs": nbytes / graph / 1e9}
+
+
+def sample_clocks(fn: Stack, seconds: float) -> list[float] | None:
+    """[SM MHz, board W] while `fn`'s graph replays for `seconds` (None: off or no nvidia-smi)."""
+    return smi_query("clocks.sm,power.draw", seconds, graphed(fn)) if seconds > 0 else None
 
 
 def accuracy(weights: list[PackedGPTQWeight], ms: list[int]) -> dict[str, float]:
@@ -156,6 +162,11 @@ def main() -> None:
     parser.add_argument("--ms", type=str, default=",".join(map(str, MS)))
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument(
+        "--clocks", type=float, default=2.0,
+        help="seconds of replays per pagedq row and M while nvidia-smi samples the SM clock and "
+        "board power (0: off)",
+    )  # fmt: skip
+    parser.add_argument(
         "--sweep",
         action="store_true",
         help="also sweep the Triton configs per layer shape (M=1, 16, 64, 256), print the TUNED "
@@ -173,8 +184,11 @@ def main() -> None:
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "python": sys.version.split()[0], "command": " ".join([sys.executable, *sys.argv]),
         "thresholds": {"SMALL_M_MAX_M": ops.SMALL_M_MAX_M},
-        "rows": {}, "skipped": {},
+        "rows": {}, "skipped": {}, "peers": "off" if args.no_peers else "pending",
     }  # fmt: skip
+    limits = smi_query("power.limit,clocks.max.sm")
+    if limits is not None:
+        results["power_limit_w"], results["max_sm_mhz"] = limits
     weights = pagedq_weights()
     nbytes = weight_bytes(weights)
     results["weight_gb"] = nbytes / 1e9
@@ -186,10 +200,17 @@ def main() -> None:
     def pagedq_rows(name: str, ws: list[PackedGPTQWeight]) -> None:
         """Row `name` at every M: the stack of `ws` on the `auto` dispatch."""
         for m in ms:
+            stack = pagedq_stack(ws, m)
             r = results["rows"].setdefault(str(m), {})[name] = with_backend(
-                "auto", functools.partial(measure, pagedq_stack(ws, m), nbytes, args.repeats)
+                "auto", functools.partial(measure, stack, nbytes, args.repeats)
             )
-            print(f"  M={m}: {name} {r['graph_ms']:.3f} ms ({r['eager_ms']:.3f})", flush=True)
+            sampled = with_backend("auto", functools.partial(sample_clocks, stack, args.clocks))
+            clock = ""
+            if sampled is not None:
+                r["sm_mhz"], r["board_w"] = sampled
+                clock = f", {sampled[0]:.0f} MHz, {sampled[1]:.0f} W"
+            times = f"{r['graph_ms']:.3f} ms ({r['eager_ms']:.3f})"
+            print(f"  M={m}: {name} {times}{clock}", flush=True)
 
     pagedq_rows("pagedq", weights)
     pagedq_rows("pagedq_bf16", [replace(w, scales=w.scales.bfloat16()) for w in weights])
@@ -209,7 +230,9 @@ def main() -> None:
         flush=True,
     )
     if not args.no_peers:
+        write(results, args.out)  # pagedq's figures survive a run stopped among the peers
         peers(results, ms, args.repeats)
+        results["peers"] = "done"
     write(results, args.out)
 
 
@@ -246,16 +269,25 @@ def write(results: dict[str, Any], out: Path) -> None:
         "",
         f"torch {results['torch']}, triton {results['triton']}, CUDA {results['cuda']}; "
         f"weights {results['weight_gb']:.2f} GB; `{results['command']}`",
+    ]
+    if "power_limit_w" in results:
+        lines.append(
+            f"Board power limit {results['power_limit_w']:.0f} W, SM clock at most "
+            f"{results['max_sm_mhz']:.0f} MHz; SM MHz / board W: medians of nvidia-smi's samples "
+            "while the stack replays."
+        )
+    lines += [
         "",
-        "| M | kernel | graph ms | eager ms | TB/s | % of 4.28 |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| M | kernel | graph ms | eager ms | TB/s | % of 4.28 | SM MHz | board W |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for m, row in results["rows"].items():
         for name, r in row.items():
             pct = 100 * r["tbs"] / COPY_CEILING_TBS
+            mhz = f"{r['sm_mhz']:.0f} | {r['board_w']:.0f}" if "sm_mhz" in r else "– | –"
             lines.append(
                 f"| {m} | {name} | {r['graph_ms']:.3f} | {r['eager_ms']:.3f} | "
-                f"{r['tbs']:.2f} | {pct:.0f}% |"
+                f"{r['tbs']:.2f} | {pct:.0f}% | {mhz} |"
             )
     lines += ["", "Paths by M (graph ms, eager in brackets): " + "; ".join(
         f"M={r['m']}: " + ", ".join(
@@ -263,6 +295,8 @@ def write(results: dict[str, Any], out: Path) -> None:
         )
         for r in results["paths"]
     )]  # fmt: skip
+    if results["peers"] == "pending":
+        lines += ["", "Peers: not measured (the run stopped before they were done)."]
     if results["skipped"]:
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped"].items())]
     (out / f"gptq_w4a_{stamp}.json").write_text(json.dumps(results, indent=2))

@@ -6,6 +6,8 @@ Conditions are in bench/bench_gptq.py, which measures them.
 from __future__ import annotations
 
 import statistics
+import subprocess
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -34,6 +36,41 @@ def time_ms(fn: Stack, repeats: int, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def smi_query(fields: str, seconds: float = 0.0, fn: Stack | None = None) -> list[float] | None:
+    """nvidia-smi's values of `fields` (e.g. "clocks.sm,power.draw") for GPU 0: read once, or,
+    with `fn`, sampled every 50 ms while `fn` runs back to back for `seconds`, each field's median
+    past the first quarter of the samples (warmed up). None without nvidia-smi or samples.
+
+    The W4a stacks run at the board's power limit from M = 8 on (H200, 700 W): the SM clock then
+    falls below its maximum, and the time follows the energy a stack takes rather than its
+    latency (bench/results/gptq_w4a_2026-12-01k_notes.md)."""
+    cmd = ["nvidia-smi", "-i", "0", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    try:
+        if fn is None:
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        else:
+            smi = subprocess.Popen([*cmd, "-lms", "50"], stdout=subprocess.PIPE, text=True)
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                for _ in range(50):
+                    fn()
+                torch.cuda.synchronize()
+            smi.terminate()
+            out, _ = smi.communicate()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    samples = []
+    for line in out.splitlines():
+        try:
+            samples.append([float(v) for v in line.split(",")])
+        except ValueError:  # "[N/A]" and the like
+            continue
+    tail = samples[len(samples) // 4 :]
+    if not tail:
+        return None
+    return [statistics.median(s[i] for s in tail) for i in range(len(tail[0]))]
 
 
 def graphed(fn: Stack) -> Stack:
