@@ -227,8 +227,8 @@ def main() -> None:
         for m in ms:
             for name in versions:
                 got = smi_query("clocks.sm,power.draw", args.clocks, stacks[(name, m)])
-                mhz, watts = got if got is not None else (0.0, 0.0)
-                lines.append(f"| {m} | {name} | {mhz:.0f} | {watts:.0f} |")
+                cells = f"{got[0]:.0f} | {got[1]:.0f}" if got is not None else "– | –"
+                lines.append(f"| {m} | {name} | {cells} |")
     text = "\n".join(lines)
     print(text, flush=True)
     if args.log is not None:

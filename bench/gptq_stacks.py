@@ -52,13 +52,15 @@ def smi_query(fields: str, seconds: float = 0.0, fn: Stack | None = None) -> lis
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         else:
             smi = subprocess.Popen([*cmd, "-lms", "50"], stdout=subprocess.PIPE, text=True)
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
-                for _ in range(50):
-                    fn()
-                torch.cuda.synchronize()
-            smi.terminate()
-            out, _ = smi.communicate()
+            try:
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    for _ in range(50):
+                        fn()
+                    torch.cuda.synchronize()
+            finally:  # the sampler stops even if `fn` fails
+                smi.terminate()
+                out, _ = smi.communicate()
     except (OSError, subprocess.CalledProcessError):
         return None
     samples = []
