@@ -230,7 +230,8 @@ def main() -> None:
         flush=True,
     )
     if not args.no_peers:
-        write(results, args.out)  # pagedq's figures survive a run stopped among the peers
+        # pagedq's figures survive a run stopped among the peers (printed once, at the end)
+        write(results, args.out, echo=False)
         peers(results, ms, args.repeats)
         results["peers"] = "done"
     write(results, args.out)
@@ -261,7 +262,9 @@ def peers(results: dict[str, Any], ms: list[int], repeats: int) -> None:
     run_peer("marlin", marlin_layers, results, marlin)
 
 
-def write(results: dict[str, Any], out: Path) -> None:
+def write(results: dict[str, Any], out: Path, echo: bool = True) -> None:
+    """The results files (`gptq_w4a_DATE.md` / `.json`) under `out`; with `echo`, the table and
+    the verdict per target on stdout too."""
     out.mkdir(parents=True, exist_ok=True)
     stamp = results["date"][:10]
     lines = [
@@ -301,6 +304,8 @@ def write(results: dict[str, Any], out: Path) -> None:
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped"].items())]
     (out / f"gptq_w4a_{stamp}.json").write_text(json.dumps(results, indent=2))
     (out / f"gptq_w4a_{stamp}.md").write_text("\n".join(lines) + "\n")
+    if not echo:
+        return
     print("\n".join(lines[4:]))
     summary = []
     for m, row in results["rows"].items():

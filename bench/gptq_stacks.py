@@ -38,15 +38,32 @@ def time_ms(fn: Stack, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def smi_device() -> str:
+    """nvidia-smi's id of torch's current GPU: its UUID ("GPU-..."), since nvidia-smi numbers the
+    GPUs of the host and ignores CUDA_VISIBLE_DEVICES; "0" without CUDA or a UUID."""
+    if torch.cuda.is_available():
+        uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+        if uuid is not None:
+            return f"GPU-{uuid}"
+    return "0"
+
+
 def smi_query(fields: str, seconds: float = 0.0, fn: Stack | None = None) -> list[float] | None:
-    """nvidia-smi's values of `fields` (e.g. "clocks.sm,power.draw") for GPU 0: read once, or,
+    """nvidia-smi's values of `fields` (e.g. "clocks.sm,power.draw") for torch's current GPU
+    (`smi_device`): read once, or,
     with `fn`, sampled every 50 ms while `fn` runs back to back for `seconds`, each field's median
     past the first quarter of the samples (warmed up). None without nvidia-smi or samples.
 
     The W4a stacks run at the board's power limit from M = 8 on (H200, 700 W): the SM clock then
     falls below its maximum, and the time follows the energy a stack takes rather than its
     latency (bench/results/gptq_w4a_2026-12-01k_notes.md)."""
-    cmd = ["nvidia-smi", "-i", "0", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    cmd = [
+        "nvidia-smi",
+        "-i",
+        smi_device(),
+        f"--query-gpu={fields}",
+        "--format=csv,noheader,nounits",
+    ]
     try:
         if fn is None:
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout

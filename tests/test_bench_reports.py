@@ -6,12 +6,13 @@ import json
 import os
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from bench import bench_gptq
-from bench.gptq_stacks import smi_query
+from bench.gptq_stacks import smi_device, smi_query
 
 
 def fake_smi(tmp_path: Path, lines: list[str]) -> None:
@@ -42,6 +43,28 @@ def test_smi_query_samples_medians_past_the_warm_up(
     assert calls  # the function ran while sampling
 
 
+def test_smi_query_asks_for_torchs_gpu_by_uuid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # nvidia-smi numbers the host's GPUs, not CUDA_VISIBLE_DEVICES': the query names the UUID
+    tool = tmp_path / "bin" / "nvidia-smi"
+    tool.parent.mkdir()
+    tool.write_text('#!/bin/sh\n[ "$1 $2" = "-i GPU-0c1d" ] && echo 1980\n')
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.current_device", lambda: 3)
+    props = {3: SimpleNamespace(uuid="0c1d")}
+    monkeypatch.setattr("torch.cuda.get_device_properties", props.__getitem__)
+    assert smi_device() == "GPU-0c1d"
+    assert smi_query("clocks.sm") == [1980.0]
+
+
+def test_smi_device_without_cuda_is_the_first_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert smi_device() == "0"
+
+
 def test_smi_query_without_nvidia_smi_is_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -68,6 +91,18 @@ def test_write_keeps_pagedq_figures_of_a_run_stopped_among_the_peers(tmp_path: P
     assert "Peers: not measured" in md
     data = json.loads((tmp_path / "gptq_w4a_2026-12-01.json").read_text())
     assert data["rows"]["16"]["pagedq"]["board_w"] == 694.0
+
+
+def test_write_prints_the_table_only_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench_gptq.write(results("pending"), tmp_path, echo=False)
+    assert capsys.readouterr().out == ""
+    assert (tmp_path / "gptq_w4a_2026-12-01.md").exists()
+    bench_gptq.write(results("done"), tmp_path)
+    out = capsys.readouterr().out
+    assert out.count("| 16 | pagedq |") == 1
+    assert "M=16 1.500 ms target 1.4 ms: MISSED" in out
 
 
 def test_write_marks_rows_without_clock_samples(tmp_path: Path) -> None:
