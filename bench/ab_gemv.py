@@ -166,6 +166,10 @@ def main() -> None:
         "--clocks", type=float, default=0.0, help="also replay each stack this many seconds while "
         "nvidia-smi samples the SM clock and the board power",
     )  # fmt: skip
+    parser.add_argument(
+        "--nibbles", choices=("uniform", "gptq"), default="uniform", help="the weights' nibbles: "
+        "uniform over 0..15, or distributed as a real checkpoint's (gptq_stacks.gptq_like_words)",
+    )  # fmt: skip
     parser.add_argument("--build-only", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     specs = [spec.partition("=")[::2] for spec in args.versions]
@@ -192,7 +196,7 @@ def main() -> None:
         bad = check({n: op for n, op in versions.items() if not n.startswith("probe")})
         lines.append(f"check: {len(bad)} bad")
         lines += bad[:20]
-    weights = pagedq_weights()
+    weights = pagedq_weights(args.nibbles)
     spaces = {name: workspace() for name in versions}
     ms = [int(v) for v in args.ms.split(",")]
     stacks = {

@@ -113,19 +113,33 @@ def inputs(m: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
 # --- the stacks ---------------------------------------------------------------------------
 
 
-def pagedq_weights() -> list[PackedGPTQWeight]:
+def gptq_like_words(rows: int, n: int, spread: float = 2.7) -> torch.Tensor:
+    """int32 words [rows, n] of 8 nibbles each, drawn as a symmetric 4-bit GPTQ checkpoint's are
+    distributed: round(8 + spread * N(0, 1)) clipped to 0..15. With scale = max |w| / 7.5 per
+    128-row group of Gaussian weights, max |w| is about 2.8 sigma: q - 8 has a spread near 2.7."""
+    words = torch.zeros(rows, n, dtype=torch.int32, device="cuda")
+    for i in range(8):
+        q = (torch.randn(rows, n, device="cuda") * spread + 8).round_().clamp_(0, 15)
+        words |= q.to(torch.int32) << (4 * i)
+    return words
+
+
+def pagedq_weights(nibbles: str = "uniform") -> list[PackedGPTQWeight]:
+    """The stack's weights: every nibble uniform over 0..15 (the bench's default), or
+    `nibbles="gptq"`, distributed as a real checkpoint's (gptq_like_words). The time of a stack at
+    the board's power limit depends on the bits it moves and multiplies (M >= 8 on the H200)."""
     weights = []
     for _ in range(LAYERS):
         for _, k, n in SHAPES:
+            rows = -(-k // 128) * 16
+            qweight = (
+                gptq_like_words(rows, n)
+                if nibbles == "gptq"
+                else torch.randint(-(2**31), 2**31 - 1, (rows, n), dtype=torch.int32, device="cuda")
+            )
             weights.append(
                 PackedGPTQWeight(
-                    qweight=torch.randint(
-                        -(2**31),
-                        2**31 - 1,
-                        (-(-k // 128) * 16, n),
-                        dtype=torch.int32,
-                        device="cuda",
-                    ),
+                    qweight=qweight,
                     scales=(torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).half(),
                     zeros=None,
                     perm=None,
