@@ -18,6 +18,8 @@ when asked twice, and leave the workspace all -1. Timing: the bench's 128 launch
 qkv / o / gate_up / down, g128 sym, fp16) in one CUDA graph, median of 20 replays, per version and
 M, over --rounds rounds that alternate the versions; then µs per launch of each shape (32
 same-shape launches in one graph); with --clocks, the SM clock and board power during each stack.
+The weights' nibbles are uniform, as in the bench, or with --nibbles gptq distributed as a real
+checkpoint's (--nibbles uniform,gptq times each version on both).
 Prints one table; --log writes it to a file too.
 """
 
@@ -167,8 +169,9 @@ def main() -> None:
         "nvidia-smi samples the SM clock and the board power",
     )  # fmt: skip
     parser.add_argument(
-        "--nibbles", choices=("uniform", "gptq"), default="uniform", help="the weights' nibbles: "
-        "uniform over 0..15, or distributed as a real checkpoint's (gptq_stacks.gptq_like_words)",
+        "--nibbles", default="uniform", help="the weights' nibbles, comma-separated: uniform over "
+        "0..15, gptq (distributed as a real checkpoint's: gptq_stacks.gptq_like_words), or both; "
+        "with both, each version is timed on each as NAME/NIBBLES",
     )  # fmt: skip
     parser.add_argument("--build-only", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -196,15 +199,21 @@ def main() -> None:
         bad = check({n: op for n, op in versions.items() if not n.startswith("probe")})
         lines.append(f"check: {len(bad)} bad")
         lines += bad[:20]
-    weights = pagedq_weights(args.nibbles)
+    nibbles = args.nibbles.split(",")
+    if not set(nibbles) <= {"uniform", "gptq"}:
+        raise SystemExit(f"--nibbles: {args.nibbles!r} is not uniform, gptq or both")
+    weight_sets = {d: pagedq_weights(d) for d in nibbles}
     spaces = {name: workspace() for name in versions}
-    ms = [int(v) for v in args.ms.split(",")]
-    stacks = {
-        (name, m): stack(op, weights, m, spaces[name]) for name, op in versions.items() for m in ms
-    }
-    per_shape = {
-        (name, m, i): stack(op, weights[i :: len(SHAPES)], m, spaces[name])
+    runs = {  # label -> (op, weights, workspace)
+        (f"{name}/{d}" if len(nibbles) > 1 else name): (op, weight_sets[d], spaces[name])
         for name, op in versions.items()
+        for d in nibbles
+    }
+    ms = [int(v) for v in args.ms.split(",")]
+    stacks = {(label, m): stack(op, w, m, ws) for label, (op, w, ws) in runs.items() for m in ms}
+    per_shape = {
+        (label, m, i): stack(op, w[i :: len(SHAPES)], m, ws)
+        for label, (op, w, ws) in runs.items()
         for m in ms
         for i in range(len(SHAPES))
     }
@@ -217,7 +226,7 @@ def main() -> None:
     )
     lines.append("| --- | --- | --- | --- |")
     for m in ms:
-        for name in versions:
+        for name in runs:
             ts = times[(name, m)]
             layer = [
                 time_ms(per_shape[(name, m, i)], args.repeats) * 1000 / LAYERS
@@ -229,7 +238,7 @@ def main() -> None:
     if args.clocks > 0:
         lines += ["", "| M | version | SM MHz | board W |", "| --- | --- | --- | --- |"]
         for m in ms:
-            for name in versions:
+            for name in runs:
                 got = smi_query("clocks.sm,power.draw", args.clocks, stacks[(name, m)])
                 cells = f"{got[0]:.0f} | {got[1]:.0f}" if got is not None else "– | –"
                 lines.append(f"| {m} | {name} | {cells} |")
