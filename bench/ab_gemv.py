@@ -38,7 +38,15 @@ from pathlib import Path
 
 import torch
 
-from bench.gptq_stacks import LAYERS, SHAPES, graphed, pagedq_weights, smi_query, time_ms
+from bench.gptq_stacks import (
+    LAYERS,
+    SHAPES,
+    graphed,
+    inputs,
+    pagedq_weights,
+    smi_query,
+    time_ms,
+)
 from pagedq.ops import gptq as ops
 from pagedq.ops.gptq import PackedGPTQWeight
 
@@ -143,7 +151,7 @@ def check(versions: dict[str, Op]) -> list[str]:
 
 
 def stack(op: Op, weights: list[PackedGPTQWeight], m: int, ws: torch.Tensor) -> Callable[[], None]:
-    xs = {k: torch.randn(m, k, device="cuda", dtype=torch.float16) for k in (4096, 11008)}
+    xs = inputs(m, torch.float16)
 
     def run() -> None:
         for w in weights:
@@ -170,7 +178,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--nibbles", default="uniform", help="the weights' nibbles, comma-separated: uniform over "
-        "0..15, gptq (distributed as a real checkpoint's: gptq_stacks.gptq_like_words), or both; "
+        "0..15, gptq (distributed as a real checkpoint's: gptq_stacks.gptq_like_q), or both; "
         "with both, each version is timed on each as NAME/NIBBLES",
     )  # fmt: skip
     parser.add_argument("--build-only", type=Path, default=None, help=argparse.SUPPRESS)

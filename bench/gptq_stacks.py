@@ -50,9 +50,9 @@ def smi_device() -> str:
 
 def smi_query(fields: str, seconds: float = 0.0, fn: Stack | None = None) -> list[float] | None:
     """nvidia-smi's values of `fields` (e.g. "clocks.sm,power.draw") for torch's current GPU
-    (`smi_device`): read once, or,
-    with `fn`, sampled every 50 ms while `fn` runs back to back for `seconds`, each field's median
-    past the first quarter of the samples (warmed up). None without nvidia-smi or samples.
+    (`smi_device`): read once, or, with `fn`, sampled every 50 ms while `fn` runs back to back for
+    `seconds`, each field's median past the first quarter of the samples (warmed up). None without
+    nvidia-smi or samples.
 
     The W4a stacks run at the board's power limit from M = 8 on (H200, 700 W): the SM clock then
     falls below its maximum, and the time follows the energy a stack takes rather than its
@@ -113,27 +113,24 @@ def inputs(m: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
 # --- the stacks ---------------------------------------------------------------------------
 
 
-def gptq_like_words(rows: int, n: int, spread: float = 2.7) -> torch.Tensor:
-    """int32 words [rows, n] of 8 nibbles each, drawn as a symmetric 4-bit GPTQ checkpoint's are
-    distributed: round(8 + spread * N(0, 1)) clipped to 0..15. With scale = max |w| / 7.5 per
-    128-row group of Gaussian weights, max |w| is about 2.8 sigma: q - 8 has a spread near 2.7."""
-    words = torch.zeros(rows, n, dtype=torch.int32, device="cuda")
-    for i in range(8):
-        q = (torch.randn(rows, n, device="cuda") * spread + 8).round_().clamp_(0, 15)
-        words |= q.to(torch.int32) << (4 * i)
-    return words
+def gptq_like_q(k: int, n: int, spread: float = 2.7) -> torch.Tensor:
+    """q [k, n] drawn as a symmetric 4-bit GPTQ checkpoint's values are distributed:
+    round(8 + spread * N(0, 1)) clipped to 0..15. With scale = max |w| / 7.5 per 128-row group of
+    Gaussian weights, max |w| is about 2.8 sigma: q - 8 has a spread near 2.7."""
+    return (torch.randn(k, n, device="cuda") * spread + 8).round_().clamp_(0, 15).to(torch.int32)
 
 
 def pagedq_weights(nibbles: str = "uniform") -> list[PackedGPTQWeight]:
     """The stack's weights: every nibble uniform over 0..15 (the bench's default), or
-    `nibbles="gptq"`, distributed as a real checkpoint's (gptq_like_words). The time of a stack at
-    the board's power limit depends on the bits it moves and multiplies (M >= 8 on the H200)."""
+    `nibbles="gptq"`, distributed as a real checkpoint's (gptq_like_q). At the board's power limit
+    a stack's time could depend on its data; the weights' distribution does not change it (H200,
+    bench/results/gptq_w4a_2026-12-01l_notes.md)."""
     weights = []
     for _ in range(LAYERS):
         for _, k, n in SHAPES:
             rows = -(-k // 128) * 16
             qweight = (
-                gptq_like_words(rows, n)
+                ops.pack_blocks(gptq_like_q(k, n))
                 if nibbles == "gptq"
                 else torch.randint(-(2**31), 2**31 - 1, (rows, n), dtype=torch.int32, device="cuda")
             )
