@@ -24,14 +24,21 @@ size_t smem_for_tok(bool per_quarter) {
   return per_quarter ? gptq::smem_bytes<TOK, true>() : gptq::smem_bytes<TOK, false>();
 }
 
-// The kernel and its shared memory for `tokens` (<= 16) rows.
+// The kernel's token count TOK for `tokens` (<= 16) rows.
+constexpr int tok_bucket(int tokens) {
+  return tokens <= 1 ? 1 : tokens <= 2 ? 2 : tokens <= 4 ? 4 : tokens <= 8 ? 8 : 16;
+}
+
+// The kernel and its shared memory for TOK = `tok` (a tok_bucket value).
 template <typename T>
-std::pair<KernelFn, size_t> variant(int tokens, bool per_quarter) {
-  if (tokens <= 1) return {kernel_for_tok<T, 1>(per_quarter), smem_for_tok<1>(per_quarter)};
-  if (tokens <= 2) return {kernel_for_tok<T, 2>(per_quarter), smem_for_tok<2>(per_quarter)};
-  if (tokens <= 4) return {kernel_for_tok<T, 4>(per_quarter), smem_for_tok<4>(per_quarter)};
-  if (tokens <= 8) return {kernel_for_tok<T, 8>(per_quarter), smem_for_tok<8>(per_quarter)};
-  return {kernel_for_tok<T, 16>(per_quarter), smem_for_tok<16>(per_quarter)};
+std::pair<KernelFn, size_t> variant(int tok, bool per_quarter) {
+  switch (tok) {
+    case 1: return {kernel_for_tok<T, 1>(per_quarter), smem_for_tok<1>(per_quarter)};
+    case 2: return {kernel_for_tok<T, 2>(per_quarter), smem_for_tok<2>(per_quarter)};
+    case 4: return {kernel_for_tok<T, 4>(per_quarter), smem_for_tok<4>(per_quarter)};
+    case 8: return {kernel_for_tok<T, 8>(per_quarter), smem_for_tok<8>(per_quarter)};
+    default: return {kernel_for_tok<T, 16>(per_quarter), smem_for_tok<16>(per_quarter)};
+  }
 }
 
 template <typename T>
@@ -44,16 +51,18 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   p.tiles = (p.N + gptq::kTileN - 1) / gptq::kTileN;
   p.num_blocks = (p.K + gptq::kBlockK - 1) / gptq::kBlockK;
   const bool per_quarter = p.num_groups > 1 && group_size % gptq::kBlockK != 0;
-  const auto [kernel, smem] = variant<T>(p.M, per_quarter);
+  const int tok = tok_bucket(p.M);
+  const auto [kernel, smem] = variant<T>(tok, per_quarter);
   const int resident = gptq_host::resident_ctas(
       "gptq_gemv", reinterpret_cast<const void*>(kernel), gptq::kThreads, smem, device);
   const int64_t sharers = gptq::max_sharers(p.M, p.num_blocks);
-  const int64_t runs = gptq::gemv_split(p, 1, gptq::slices_for(p.M)).runs;
+  // the kernel splits its work by slices_for(TOK), and so must the grid
+  const int64_t runs = gptq::gemv_split(p, 1, gptq::slices_for(tok)).runs;
   const int ctas = static_cast<int>(std::min<int64_t>({resident, runs, sharers * p.tiles}));
   // A grid smaller than the resident slots (the capped o and down at 16 tokens: 256 CTAs, 3 slots
   // per SM) would be packed onto fewer SMs; padded shared memory keeps it to ceil(ctas / SMs).
   const size_t launch_smem =
-      p.M > 8
+      tok > 8
           ? gptq_host::spread_smem(reinterpret_cast<const void*>(kernel), gptq::kThreads, smem,
                                    ctas, resident, device)
           : smem;
