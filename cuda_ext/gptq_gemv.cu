@@ -57,12 +57,14 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
       "gptq_gemv", reinterpret_cast<const void*>(kernel), gptq::kThreads, smem, device);
   const int64_t sharers = gptq::max_sharers(p.M, p.num_blocks);
   // the kernel splits its work by slices_for(TOK), and so must the grid
-  const int64_t runs = gptq::gemv_split(p, 1, gptq::slices_for(tok)).runs;
+  const int slices = gptq::slices_for(tok);
+  const int64_t runs = gptq::gemv_split(p, 1, slices).runs;
   const int ctas = static_cast<int>(std::min<int64_t>({resident, runs, sharers * p.tiles}));
-  // A grid smaller than the resident slots (the capped o and down at 16 tokens: 256 CTAs, 3 slots
-  // per SM) would be packed onto fewer SMs; padded shared memory keeps it to ceil(ctas / SMs).
+  // A pairs' grid smaller than the resident slots (the capped o and down at 16 tokens: 256 CTAs,
+  // 3 slots per SM) would be packed onto fewer SMs; padded shared memory keeps it to ceil(ctas /
+  // SMs).
   const size_t launch_smem =
-      tok > 8
+      slices < gptq::kWarps
           ? gptq_host::spread_smem(reinterpret_cast<const void*>(kernel), gptq::kThreads, smem,
                                    ctas, resident, device)
           : smem;
