@@ -120,6 +120,7 @@ def check(versions: dict[str, Op]) -> list[str]:
     bad: list[str] = []
     spaces = {name: workspace() for name in versions}
     cases = 0
+    differ = dict.fromkeys(versions, 0)  # cases whose bits differ from the first version's
     for dtype in (torch.float16, torch.bfloat16):
         for k, n in CHECK_SHAPES:
             for group in (128, 64):
@@ -131,11 +132,16 @@ def check(versions: dict[str, Op]) -> list[str]:
                         ref = ops.gptq_matmul_reference(x, w, bias).float()
                         scale = float(ref.abs().max()) or 1.0
                         tol = 1e-2 if dtype == torch.float16 else 3e-2
+                        first: torch.Tensor | None = None
                         for name, op in versions.items():
                             ws = spaces[name]
                             args = (x, w.qweight, w.scales, w.zeros, bias, ws, w.group_size)
                             got, again = op(*args), op(*args)
                             torch.cuda.synchronize()
+                            if first is None:
+                                first = got
+                            elif not torch.equal(got, first):
+                                differ[name] += 1
                             err = float((got.float() - ref).abs().max()) / scale
                             where = f"{name} {dtype} M={m} K={k} N={n} g{group} z={zeros}"
                             if not err <= tol:
@@ -147,6 +153,13 @@ def check(versions: dict[str, Op]) -> list[str]:
                                 ws.fill_(-1)
                         cases += 1
     print(f"check: {cases} cases x {len(versions)} versions, {len(bad)} bad", flush=True)
+    others = list(versions)[1:]
+    if others:
+        print(
+            "bits differ from the first version in: "
+            + ", ".join(f"{name} {differ[name]} cases" for name in others),
+            flush=True,
+        )
     return bad
 
 
