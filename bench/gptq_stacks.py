@@ -128,12 +128,13 @@ def pagedq_weights(nibbles: str = "uniform") -> list[PackedGPTQWeight]:
     weights = []
     for _ in range(LAYERS):
         for _, k, n in SHAPES:
-            rows = -(-k // 128) * 16
-            qweight = (
-                ops.pack_blocks(gptq_like_q(k, n))
-                if nibbles == "gptq"
-                else torch.randint(-(2**31), 2**31 - 1, (rows, n), dtype=torch.int32, device="cuda")
-            )
+            if nibbles == "gptq":
+                qweight = ops.pack_blocks(gptq_like_q(k, n))
+            else:  # random words: 16 word rows per 128-row block
+                rows = -(-k // ops.BLOCK_K) * 16
+                qweight = torch.randint(
+                    -(2**31), 2**31 - 1, (rows, n), dtype=torch.int32, device="cuda"
+                )
             weights.append(
                 PackedGPTQWeight(
                     qweight=qweight,

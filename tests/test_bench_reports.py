@@ -15,19 +15,24 @@ from bench import bench_gptq
 from bench.gptq_stacks import smi_device, smi_query
 
 
-def fake_smi(tmp_path: Path, lines: list[str]) -> None:
-    """An `nvidia-smi` on PATH that prints `lines` and exits."""
+def fake_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:
+    """An `nvidia-smi` first on PATH that runs the shell script `body`."""
     tool = tmp_path / "bin" / "nvidia-smi"
     tool.parent.mkdir()
-    tool.write_text("#!/bin/sh\n" + "".join(f"echo '{line}'\n" for line in lines))
+    tool.write_text("#!/bin/sh\n" + body)
     tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+
+
+def printing(lines: list[str]) -> str:
+    """A script body that prints `lines`."""
+    return "".join(f"echo '{line}'\n" for line in lines)
 
 
 def test_smi_query_reads_values_and_skips_unavailable_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake_smi(tmp_path, ["[N/A], 700.00", "1980, 700.00"])
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    fake_smi(tmp_path, monkeypatch, printing(["[N/A], 700.00", "1980, 700.00"]))
     assert smi_query("clocks.max.sm,power.limit") == [1980.0, 700.0]
 
 
@@ -35,8 +40,7 @@ def test_smi_query_samples_medians_past_the_warm_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the first quarter of the samples (1 of 4) is dropped: medians of the last three
-    fake_smi(tmp_path, ["100, 50", "1800, 690", "1700, 695", "1900, 700"])
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    fake_smi(tmp_path, monkeypatch, printing(["100, 50", "1800, 690", "1700, 695", "1900, 700"]))
     calls = []
     monkeypatch.setattr("torch.cuda.synchronize", lambda: None)
     assert smi_query("clocks.sm,power.draw", 0.05, lambda: calls.append(1)) == [1800.0, 695.0]
@@ -47,11 +51,7 @@ def test_smi_query_asks_for_torchs_gpu_by_uuid(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # nvidia-smi numbers the host's GPUs, not CUDA_VISIBLE_DEVICES': the query names the UUID
-    tool = tmp_path / "bin" / "nvidia-smi"
-    tool.parent.mkdir()
-    tool.write_text('#!/bin/sh\n[ "$1 $2" = "-i GPU-0c1d" ] && echo 1980\n')
-    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    fake_smi(tmp_path, monkeypatch, '[ "$1 $2" = "-i GPU-0c1d" ] && echo 1980\n')
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.current_device", lambda: 3)
     props = {3: SimpleNamespace(uuid="0c1d")}
