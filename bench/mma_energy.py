@@ -1,0 +1,314 @@
+"""Energy per multiply-accumulate of the H200's tensor-core instructions, on operands shaped like
+the W4a GEMV's: the weights as small integers (q - 8), the activations as N(0, 1) fp16.
+
+The M=16 W4a stack runs at the board's 700 W limit, so its time follows its energy
+(bench/results/gptq_w4a_2026-12-01k_notes.md), and its tensor-core work grows with the tokens.
+This script asks whether another instruction would do the same products for less energy:
+- hmma: mma.sync m16n8k16, f16 inputs, f32 accumulators (the GEMV's); also with B all zeros
+  (every product zero), with the roles swapped (A random, B the small integers) and with f16
+  accumulators;
+- imma: mma.sync m16n8k32, s8 inputs, s32 accumulators (the one-token GEMV's);
+- wgmma: wgmma m64n16k16 (sm_90a), f16 A from registers (the dequantized weights would be
+  there), 16 tokens of f16 B from shared memory, f32 accumulators.
+
+Each kernel cycles through 8 register sets of random operands (and 8 shared-memory B tiles), so
+that consecutive instructions switch their inputs' bits as a GEMV's do, and loads nothing else.
+Per kernel: MACs per second from CUDA events, and the SM clock and board power sampled by
+nvidia-smi while it runs back to back; pJ per MAC is the board power over the MAC rate, and
+"above idle" subtracts the idle board's power. Prints one table; --log writes it too.
+
+    PYTHONPATH=. python3 bench/mma_energy.py --seconds 3 --log $OUT/mma_energy.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.gptq_stacks import smi_query
+
+SOURCE = r"""
+#include <cuda_fp16.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/extension.h>
+#include <cstdint>
+
+constexpr int kSets = 8;  // operand sets a thread cycles through
+
+__device__ inline void hmma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ inline void imma(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ inline void hmma16(uint32_t (&d)[2], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, "
+      "{%0,%1};"
+      : "+r"(d[0]), "+r"(d[1])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// ops: [threads][kSets][6] words (A's 4, then B's 2); each thread adds its sums to out[tid].
+// kMode: 0 hmma (f32 accumulators), 1 imma, 2 hmma with f16 accumulators.
+template <int kMode>
+__global__ void mma_loop(const uint32_t* __restrict__ ops, float* __restrict__ out, int iters) {
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t a[kSets][4], b[kSets][2];
+#pragma unroll
+  for (int s = 0; s < kSets; ++s) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[s][i] = ops[(tid * kSets + s) * 6 + i];
+    b[s][0] = ops[(tid * kSets + s) * 6 + 4];
+    b[s][1] = ops[(tid * kSets + s) * 6 + 5];
+  }
+  float acc[4][4] = {};
+  int iacc[4][4] = {};
+  uint32_t hacc[4][2] = {};
+  for (int it = 0; it < iters; ++it) {
+#pragma unroll
+    for (int s = 0; s < kSets; ++s) {
+      if constexpr (kMode == 1) {
+        imma(iacc[s % 4], a[s], b[s]);
+      } else if constexpr (kMode == 2) {
+        hmma16(hacc[s % 4], a[s], b[s]);
+      } else {
+        hmma(acc[s % 4], a[s], b[s]);
+      }
+    }
+  }
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sum += acc[j][i] + static_cast<float>(iacc[j][i]);
+    sum += __half2float(__ushort_as_half(static_cast<uint16_t>(hacc[j][0] ^ hacc[j][1])));
+  }
+  out[tid] += sum;
+}
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define HAVE_WGMMA 1
+#endif
+
+// A no-swizzle K-major descriptor: 8-row x 16-byte core matrices, 128 bytes apart along K and
+// 256 along N (the values are random, so only the byte count per instruction matters).
+__device__ inline uint64_t desc_at(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
+         (static_cast<uint64_t>(256 >> 4) << 32);
+}
+
+__device__ inline void wgmma16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
+#ifdef HAVE_WGMMA
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, 1, 0; "
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, "
+      "{%8,%9,%10,%11}, %12, p, 1, 1, 0; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+#endif
+}
+
+// ops as in mma_loop (A's 4 words per set); btiles: kSets tiles of 16 x 16 f16 for B, shared by
+// the CTA. One warpgroup per CTA; a group of kSets wgmmas per iteration, two groups in flight.
+__global__ void __launch_bounds__(128) wgmma_loop(const uint32_t* __restrict__ ops,
+                                                  const uint32_t* __restrict__ btiles,
+                                                  float* __restrict__ out, int iters) {
+#ifdef HAVE_WGMMA
+  __shared__ __align__(128) uint32_t tiles[kSets * 128];
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  for (int i = threadIdx.x; i < kSets * 128; i += blockDim.x) tiles[i] = btiles[i];
+  __syncthreads();
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  uint32_t a[kSets][4];
+#pragma unroll
+  for (int s = 0; s < kSets; ++s) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[s][i] = ops[(tid * kSets + s) * 6 + i];
+  }
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tiles));
+  float acc[4][8] = {};
+  for (int it = 0; it < iters; ++it) {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int s = 0; s < kSets; ++s) wgmma16(acc[s % 4], a[s], desc_at(base + 512 * s));
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  }
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += acc[j][i];
+  }
+  out[tid] += sum;
+#endif
+}
+
+void run_mma(torch::Tensor ops, torch::Tensor out, int64_t iters, int64_t mode) {
+  const int threads = 128, blocks = static_cast<int>(out.numel()) / threads;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const auto* o = reinterpret_cast<const uint32_t*>(ops.data_ptr<int32_t>());
+  if (mode == 1) {
+    mma_loop<1><<<blocks, threads, 0, stream>>>(o, out.data_ptr<float>(), iters);
+  } else if (mode == 2) {
+    mma_loop<2><<<blocks, threads, 0, stream>>>(o, out.data_ptr<float>(), iters);
+  } else {
+    mma_loop<0><<<blocks, threads, 0, stream>>>(o, out.data_ptr<float>(), iters);
+  }
+}
+
+void run_wgmma(torch::Tensor ops, torch::Tensor btiles, torch::Tensor out, int64_t iters) {
+  const int threads = 128, blocks = static_cast<int>(out.numel()) / threads;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  wgmma_loop<<<blocks, threads, 0, stream>>>(
+      reinterpret_cast<const uint32_t*>(ops.data_ptr<int32_t>()),
+      reinterpret_cast<const uint32_t*>(btiles.data_ptr<int32_t>()), out.data_ptr<float>(), iters);
+}
+"""
+
+CPP = """
+#include <torch/extension.h>
+void run_mma(torch::Tensor ops, torch::Tensor out, int64_t iters, int64_t mode);
+void run_wgmma(torch::Tensor ops, torch::Tensor btiles, torch::Tensor out, int64_t iters);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("run_mma", &run_mma);
+  m.def("run_wgmma", &run_wgmma);
+}
+"""
+
+SETS = 8
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One row: the instruction (`mode` of mma_loop, -1: wgmma_loop) and its operands."""
+
+    name: str
+    mode: int
+    macs: int  # per instruction
+    warps: int  # that issue one instruction together
+    int8: bool = False
+    zero_b: bool = False  # B all zeros: every product is zero, the datapath's floor
+    x_as_a: bool = False  # the roles swapped: A is N(0, 1), B the small integers
+
+
+KINDS = (
+    Kind("hmma", 0, 16 * 8 * 16, 1),
+    Kind("hmma, B = 0", 0, 16 * 8 * 16, 1, zero_b=True),
+    Kind("hmma, x as A", 0, 16 * 8 * 16, 1, x_as_a=True),
+    Kind("hmma, f16 accumulators", 2, 16 * 8 * 16, 1),
+    Kind("imma", 1, 16 * 8 * 32, 1, int8=True),
+    Kind("wgmma m64n16k16", -1, 64 * 16 * 16, 4),
+)
+
+
+def build():  # type: ignore[no-untyped-def]
+    from torch.utils import cpp_extension
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}a" if major >= 9 else f"{major}{minor}"
+    return cpp_extension.load_inline(
+        name="pagedq_mma_energy",
+        cpp_sources=CPP,
+        cuda_sources=SOURCE,
+        extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+        build_directory=tempfile.mkdtemp(prefix="mma_energy_"),
+        verbose=False,
+    )
+
+
+def operands(threads: int, kind: Kind, gen: torch.Generator) -> torch.Tensor:
+    """[threads, SETS, 6] words: A as q - 8 (q uniform in 0..15), B as N(0, 1); fp16 pairs, or s8
+    quads with B uniform bytes."""
+    shape = (threads, SETS, 6)
+    if kind.int8:
+        a = torch.randint(-8, 8, (*shape[:2], 4, 4), generator=gen, dtype=torch.int8)
+        b = torch.randint(-128, 128, (*shape[:2], 2, 4), generator=gen, dtype=torch.int8)
+    else:
+        a = torch.randint(-8, 8, (*shape[:2], 4, 2), generator=gen).to(torch.float16)
+        b = torch.randn((*shape[:2], 2, 2), generator=gen).to(torch.float16)
+        if kind.x_as_a:
+            a = torch.randn((*shape[:2], 4, 2), generator=gen).to(torch.float16)
+            b = torch.randint(-8, 8, (*shape[:2], 2, 2), generator=gen).to(torch.float16)
+    if kind.zero_b:
+        b.zero_()
+    return torch.cat([a.view(torch.int32), b.view(torch.int32)], dim=2).reshape(shape)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=3.0, help="power sampling per kernel")
+    ap.add_argument("--ctas-per-sm", type=int, default=4)
+    ap.add_argument("--log", type=Path)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    ext = build()
+    props = torch.cuda.get_device_properties(0)
+    gen = torch.Generator().manual_seed(0)
+    blocks = props.multi_processor_count * args.ctas_per_sm
+    threads = blocks * 128
+    out = torch.zeros(threads, device="cuda")
+    btiles = torch.randn(SETS * 256, generator=gen).to(torch.float16).view(torch.int32).cuda()
+    time.sleep(2.0)
+    idle = smi_query("clocks.sm,power.draw")
+    idle_w = idle[1] if idle else float("nan")
+    lines = [
+        f"# {props.name}, torch {torch.__version__}; bench/mma_energy.py " + " ".join(sys.argv[1:]),
+        f"idle board power: {idle_w:.0f} W; {blocks} CTAs of 128 threads, 8 operand sets each",
+        "| instruction | TMAC/s | SM MHz | board W | pJ/MAC | pJ/MAC above idle |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for kind in KINDS:
+        ops = operands(threads, kind, gen).cuda()
+        iters = 20000
+
+        def launch(ops: torch.Tensor = ops, mode: int = kind.mode, iters: int = iters) -> None:
+            if mode < 0:
+                ext.run_wgmma(ops, btiles, out, iters)
+            else:
+                ext.run_mma(ops, out, iters, mode)
+
+        launch()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            launch()
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3 / 5
+        warps = threads // 32
+        macs = warps / kind.warps * iters * SETS * kind.macs
+        rate = macs / seconds
+        smi = smi_query("clocks.sm,power.draw", args.seconds, launch)
+        mhz, watts = (smi[0], smi[1]) if smi else (float("nan"), float("nan"))
+        lines.append(
+            f"| {kind.name} | {rate / 1e12:.0f} | {mhz:.0f} | {watts:.0f} | "
+            f"{watts / rate * 1e12:.3f} | {(watts - idle_w) / rate * 1e12:.3f} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    if args.log:
+        args.log.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
