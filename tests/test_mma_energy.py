@@ -1,0 +1,50 @@
+"""bench/mma_energy.py without a GPU: the operands each row feeds its instruction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import mma_energy
+from bench.mma_energy import KINDS, SETS, Kind, operands
+
+
+def kind(name: str) -> Kind:
+    return next(k for k in KINDS if k.name == name)
+
+
+def words(kind_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A's and B's words of 3 threads' operand sets."""
+    ops = operands(3, kind(kind_name), torch.Generator().manual_seed(1))
+    assert ops.shape == (3, SETS, 6) and ops.dtype == torch.int32
+    return ops[..., :4].contiguous(), ops[..., 4:].contiguous()
+
+
+def is_small_int(values: torch.Tensor) -> bool:
+    v = values.float()
+    return bool((v == v.round()).all() and v.min() >= -8 and v.max() <= 7)
+
+
+def test_fp16_rows_put_the_weights_in_a_and_the_activations_in_b() -> None:
+    a, b = words("hmma")
+    assert is_small_int(a.view(torch.float16))
+    assert not is_small_int(b.view(torch.float16))
+
+
+def test_swapped_and_zero_rows() -> None:
+    a, b = words("hmma, x as A")
+    assert is_small_int(b.view(torch.float16)) and not is_small_int(a.view(torch.float16))
+    a, b = words("hmma, B = 0")
+    assert is_small_int(a.view(torch.float16)) and bool((b == 0).all())
+
+
+def test_int8_row_packs_signed_bytes() -> None:
+    a, b = words("imma")
+    assert is_small_int(a.view(torch.int8))
+    assert int(b.view(torch.int8).min()) < -8  # the activations' bytes span the full range
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the script runs on a GPU here")
+def test_main_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert mma_energy.main([]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
