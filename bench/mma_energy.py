@@ -13,9 +13,10 @@ This script asks whether another instruction would do the same products for less
 
 Each kernel cycles through 8 register sets of random operands (and 8 shared-memory B tiles), so
 that consecutive instructions switch their inputs' bits as a GEMV's do, and loads nothing else.
-Per kernel: MACs per second from CUDA events, and the SM clock and board power sampled by
-nvidia-smi while it runs back to back; pJ per MAC is the board power over the MAC rate, and
-"above idle" subtracts the idle board's power. Prints one table; --log writes it too.
+Per kernel, while it runs back to back: MACs per second from CUDA events, and the SM clock and
+board power sampled by nvidia-smi (medians past the first quarter of the samples). pJ per MAC is
+the board power over the MAC rate; "above idle" subtracts the idle board's power. Prints one
+table; --log writes it too.
 
     PYTHONPATH=. python3 bench/mma_energy.py --seconds 3 --log $OUT/mma_energy.log
 """
@@ -192,6 +193,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 SETS = 8
+ITERS = 20000  # loop iterations per launch: a few ms
 
 
 @dataclass(frozen=True)
@@ -240,11 +242,14 @@ def operands(threads: int, kind: Kind, gen: torch.Generator) -> torch.Tensor:
         a = torch.randint(-8, 8, (*shape[:2], 4, 4), generator=gen, dtype=torch.int8)
         b = torch.randint(-128, 128, (*shape[:2], 2, 4), generator=gen, dtype=torch.int8)
     else:
-        a = torch.randint(-8, 8, (*shape[:2], 4, 2), generator=gen).to(torch.float16)
-        b = torch.randn((*shape[:2], 2, 2), generator=gen).to(torch.float16)
-        if kind.x_as_a:
-            a = torch.randn((*shape[:2], 4, 2), generator=gen).to(torch.float16)
-            b = torch.randint(-8, 8, (*shape[:2], 2, 2), generator=gen).to(torch.float16)
+
+        def small(words: int) -> torch.Tensor:
+            return torch.randint(-8, 8, (*shape[:2], words, 2), generator=gen).to(torch.float16)
+
+        def normal(words: int) -> torch.Tensor:
+            return torch.randn((*shape[:2], words, 2), generator=gen).to(torch.float16)
+
+        a, b = (normal(4), small(2)) if kind.x_as_a else (small(4), normal(2))
     if kind.zero_b:
         b.zero_()
     return torch.cat([a.view(torch.int32), b.view(torch.int32)], dim=2).reshape(shape)
@@ -276,28 +281,30 @@ def main(argv: list[str] | None = None) -> int:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for kind in KINDS:
+        if kind.mode < 0 and torch.cuda.get_device_capability() != (9, 0):
+            continue  # wgmma is sm_90a only
         ops = operands(threads, kind, gen).cuda()
-        iters = 20000
+        launches = 0
 
-        def launch(ops: torch.Tensor = ops, mode: int = kind.mode, iters: int = iters) -> None:
+        def launch(ops: torch.Tensor = ops, mode: int = kind.mode) -> None:
+            nonlocal launches
+            launches += 1
             if mode < 0:
-                ext.run_wgmma(ops, btiles, out, iters)
+                ext.run_wgmma(ops, btiles, out, ITERS)
             else:
-                ext.run_mma(ops, out, iters, mode)
+                ext.run_mma(ops, out, ITERS, mode)
 
-        launch()
+        launch()  # warm-up
         torch.cuda.synchronize()
+        launches = 0
+        # the MAC rate over the same launches as the power samples
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(5):
-            launch()
+        smi = smi_query("clocks.sm,power.draw", args.seconds, launch)
         end.record()
         end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3 / 5
-        warps = threads // 32
-        macs = warps / kind.warps * iters * SETS * kind.macs
-        rate = macs / seconds
-        smi = smi_query("clocks.sm,power.draw", args.seconds, launch)
+        macs = threads // 32 / kind.warps * ITERS * SETS * kind.macs * launches
+        rate = macs / (start.elapsed_time(end) / 1e3)
         mhz, watts = (smi[0], smi[1]) if smi else (float("nan"), float("nan"))
         lines.append(
             f"| {kind.name} | {rate / 1e12:.0f} | {mhz:.0f} | {watts:.0f} | "
