@@ -47,6 +47,7 @@ from bench.gptq_stacks import (
     smi_query,
     time_ms,
 )
+from cuda_ext.build import gencode
 from pagedq.ops import gptq as ops
 from pagedq.ops.gptq import PackedGPTQWeight
 
@@ -89,13 +90,11 @@ def build(name: str, src: Path, root: Path) -> Op:
         patch = ["patch", "-s", str(work / "gptq_gemv.cuh"), str(src.resolve())]
         subprocess.run(patch, check=True)
     (work / "ab_bind.cpp").write_text(BINDINGS.replace("NAME", name))
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
     cpp_extension.load(
         name=f"ab_{name}",
         sources=[str(work / "gptq_gemv.cu"), str(work / "ab_bind.cpp")],
         extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"],
+        extra_cuda_cflags=["-O3", gencode(torch.cuda.get_device_capability()), "-lineinfo"],
         build_directory=str(work),
         is_python_module=False,
         verbose=False,

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from bench.gptq_stacks import smi_query
+from cuda_ext.build import gencode
 
 SOURCE = r"""
 #include <cuda_fp16.h>
@@ -222,13 +223,11 @@ KINDS = (
 def build():  # type: ignore[no-untyped-def]
     from torch.utils import cpp_extension
 
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}a" if major >= 9 else f"{major}{minor}"
     return cpp_extension.load_inline(
         name="pagedq_mma_energy",
         cpp_sources=CPP,
         cuda_sources=SOURCE,
-        extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+        extra_cuda_cflags=["-O3", gencode(torch.cuda.get_device_capability())],
         build_directory=tempfile.mkdtemp(prefix="mma_energy_"),
         verbose=False,
     )

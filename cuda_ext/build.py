@@ -67,12 +67,24 @@ def _try_load(device: torch.device) -> bool:
     return True
 
 
+def arch_name(capability: tuple[int, int]) -> str:
+    """The device's nvcc architecture: "90a" on Hopper (wgmma, TMA and setmaxnreg need the
+    arch-specific target), else e.g. "80"."""
+    return f"{capability[0]}{capability[1]}" + ("a" if capability == (9, 0) else "")
+
+
+def gencode(capability: tuple[int, int]) -> str:
+    """nvcc's flag that builds for exactly this device."""
+    arch = arch_name(capability)
+    return f"-gencode=arch=compute_{arch},code=sm_{arch}"
+
+
 def _build(capability: tuple[int, int]) -> None:
     from torch.utils import cpp_extension
 
     if cpp_extension.CUDA_HOME is None:
         raise RuntimeError("nvcc not found (CUDA_HOME unset)")
-    arch = f"{capability[0]}{capability[1]}" + ("a" if capability == (9, 0) else "")
+    arch = arch_name(capability)
     tag = re.sub(
         r"[^A-Za-z0-9_.]", "_", f"torch{torch.__version__}-cu{torch.version.cuda}-sm{arch}"
     )
@@ -84,7 +96,7 @@ def _build(capability: tuple[int, int]) -> None:
         name=EXTENSION_NAME,
         sources=[str(here / s) for s in SOURCES],
         extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"],
+        extra_cuda_cflags=["-O3", gencode(capability), "-lineinfo"],
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=False,
