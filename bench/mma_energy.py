@@ -5,8 +5,9 @@ The M=16 W4a stack runs at the board's 700 W limit, so its time follows its ener
 (bench/results/gptq_w4a_2026-12-01k_notes.md), and its tensor-core work grows with the tokens.
 This script asks whether another instruction would do the same products for less energy:
 - hmma: mma.sync m16n8k16, f16 inputs, f32 accumulators (the GEMV's); also with B all zeros
-  (every product zero), with the roles swapped (A random, B the small integers) and with f16
-  accumulators;
+  (every product zero), with the roles swapped (A random, B the small integers), with f16
+  accumulators, and in the orders a GEMV step of 2 weight tiles by 2 token tiles can take
+  (which operand consecutive instructions repeat);
 - imma: mma.sync m16n8k32, s8 inputs, s32 accumulators (the one-token GEMV's);
 - wgmma: wgmma m64n16k16 (sm_90a), f16 A from registers (the dequantized weights would be
   there), 16 tokens of f16 B from shared memory, f32 accumulators.
@@ -65,8 +66,33 @@ __device__ inline void hmma16(uint32_t (&d)[2], const uint32_t (&a)[4], const ui
 }
 
 // ops: [threads][kSets][6] words (A's 4, then B's 2); each thread adds its sums to out[tid].
-// kMode: 0 hmma (f32 accumulators), 1 imma, 2 hmma with f16 accumulators.
-template <int kMode>
+// kMode: 0 hmma (f32 accumulators), 1 imma, 2 hmma with f16 accumulators. kOrder picks the
+// operand sets of instruction s of a group of kSets: 0, A set s and B set s; otherwise two
+// A and two B sets per 4 instructions, each pair of them once, as in a GEMV's step of 2 weight
+// tiles by 2 token tiles, in the order that repeats A (1), B (2), or one then the other (3) in
+// consecutive instructions; 4 keeps one B set, 5 one A set throughout.
+__host__ __device__ constexpr int pick_a(int order, int s) {
+  const int base = 2 * (s / 4), i = s % 4;
+  switch (order) {
+    case 1: return base + i / 2;               // A0B0 A0B1 A1B0 A1B1 (the GEMV's SASS)
+    case 2: return base + i % 2;               // A0B0 A1B0 A0B1 A1B1
+    case 3: return base + (i == 1 || i == 2);  // A0B0 A1B0 A1B1 A0B1
+    case 5: return 0;
+    default: return s;
+  }
+}
+__host__ __device__ constexpr int pick_b(int order, int s) {
+  const int base = 2 * (s / 4), i = s % 4;
+  switch (order) {
+    case 1: return base + i % 2;
+    case 2:
+    case 3: return base + i / 2;
+    case 4: return 0;
+    default: return s;
+  }
+}
+
+template <int kMode, int kOrder = 0>
 __global__ void mma_loop(const uint32_t* __restrict__ ops, float* __restrict__ out, int iters) {
   const int tid = blockIdx.x * blockDim.x + threadIdx.x;
   uint32_t a[kSets][4], b[kSets][2];
@@ -83,12 +109,13 @@ __global__ void mma_loop(const uint32_t* __restrict__ ops, float* __restrict__ o
   for (int it = 0; it < iters; ++it) {
 #pragma unroll
     for (int s = 0; s < kSets; ++s) {
+      const int sa = pick_a(kOrder, s), sb = pick_b(kOrder, s);
       if constexpr (kMode == 1) {
-        imma(iacc[s % 4], a[s], b[s]);
+        imma(iacc[s % 4], a[sa], b[sb]);
       } else if constexpr (kMode == 2) {
-        hmma16(hacc[s % 4], a[s], b[s]);
+        hmma16(hacc[s % 4], a[sa], b[sb]);
       } else {
-        hmma(acc[s % 4], a[s], b[s]);
+        hmma(acc[s % 4], a[sa], b[sb]);
       }
     }
   }
@@ -165,12 +192,16 @@ void run_mma(torch::Tensor ops, torch::Tensor out, int64_t iters, int64_t mode) 
   const int threads = 128, blocks = static_cast<int>(out.numel()) / threads;
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto* o = reinterpret_cast<const uint32_t*>(ops.data_ptr<int32_t>());
-  if (mode == 1) {
-    mma_loop<1><<<blocks, threads, 0, stream>>>(o, out.data_ptr<float>(), iters);
-  } else if (mode == 2) {
-    mma_loop<2><<<blocks, threads, 0, stream>>>(o, out.data_ptr<float>(), iters);
-  } else {
-    mma_loop<0><<<blocks, threads, 0, stream>>>(o, out.data_ptr<float>(), iters);
+  float* d = out.data_ptr<float>();
+  switch (mode) {  // 3..7: hmma in operand order 1..5 (KINDS)
+    case 1: mma_loop<1><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+    case 2: mma_loop<2><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+    case 3: mma_loop<0, 1><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+    case 4: mma_loop<0, 2><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+    case 5: mma_loop<0, 3><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+    case 6: mma_loop<0, 4><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+    case 7: mma_loop<0, 5><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+    default: mma_loop<0><<<blocks, threads, 0, stream>>>(o, d, iters);
   }
 }
 
@@ -215,6 +246,11 @@ KINDS = (
     Kind("hmma, B = 0", 0, 16 * 8 * 16, 1, zero_b=True),
     Kind("hmma, x as A", 0, 16 * 8 * 16, 1, x_as_a=True),
     Kind("hmma, f16 accumulators", 2, 16 * 8 * 16, 1),
+    Kind("hmma, 2x2 tiles, A repeated (the GEMV's order)", 3, 16 * 8 * 16, 1),
+    Kind("hmma, 2x2 tiles, B repeated", 4, 16 * 8 * 16, 1),
+    Kind("hmma, 2x2 tiles, A and B repeated in turn", 5, 16 * 8 * 16, 1),
+    Kind("hmma, one B throughout", 6, 16 * 8 * 16, 1),
+    Kind("hmma, one A throughout", 7, 16 * 8 * 16, 1),
     Kind("imma", 1, 16 * 8 * 32, 1, int8=True),
     Kind("wgmma m64n16k16", -1, 64 * 16 * 16, 4),
 )
