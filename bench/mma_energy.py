@@ -239,6 +239,7 @@ class Kind:
     int8: bool = False
     zero_b: bool = False  # B all zeros: every product is zero, the datapath's floor
     x_as_a: bool = False  # the roles swapped: A is N(0, 1), B the small integers
+    a_form: str = "q - 8"  # fp16 A (A_FORMS): how the weights' nibble q reaches the mma
 
 
 KINDS = (
@@ -251,6 +252,9 @@ KINDS = (
     Kind("hmma, 2x2 tiles, A and B repeated in turn", 5, 16 * 8 * 16, 1),
     Kind("hmma, one B throughout", 6, 16 * 8 * 16, 1),
     Kind("hmma, one A throughout", 7, 16 * 8 * 16, 1),
+    Kind("hmma, A = q (0..15)", 0, 16 * 8 * 16, 1, a_form="q"),
+    Kind("hmma, A = 1024 + q", 0, 16 * 8 * 16, 1, a_form="1024 + q"),
+    Kind("hmma, A = q * 2^-24 (subnormal)", 0, 16 * 8 * 16, 1, a_form="q * 2^-24"),
     Kind("imma", 1, 16 * 8 * 32, 1, int8=True),
     Kind("wgmma m64n16k16", -1, 64 * 16 * 16, 4),
 )
@@ -269,9 +273,19 @@ def build():  # type: ignore[no-untyped-def]
     )
 
 
+# fp16 A values from nibbles q in 0..15: the GEMV's q - z' (z' = 8), the nibble itself, the
+# magic-number form before its subtraction, and the subnormal whose bits are q.
+A_FORMS = {
+    "q - 8": lambda q: (q - 8).to(torch.float16),
+    "q": lambda q: q.to(torch.float16),
+    "1024 + q": lambda q: (q + 1024).to(torch.float16),
+    "q * 2^-24": lambda q: q.to(torch.int16).view(torch.float16),
+}
+
+
 def operands(threads: int, kind: Kind, gen: torch.Generator) -> torch.Tensor:
-    """[threads, SETS, 6] words: A as q - 8 (q uniform in 0..15), B as N(0, 1); fp16 pairs, or s8
-    quads with B uniform bytes."""
+    """[threads, SETS, 6] words: A as kind.a_form of q (uniform in 0..15), B as N(0, 1); fp16
+    pairs, or s8 quads with B uniform bytes."""
     shape = (threads, SETS, 6)
     if kind.int8:
         a = torch.randint(-8, 8, (*shape[:2], 4, 4), generator=gen, dtype=torch.int8)
@@ -279,7 +293,8 @@ def operands(threads: int, kind: Kind, gen: torch.Generator) -> torch.Tensor:
     else:
 
         def small(words: int) -> torch.Tensor:
-            return torch.randint(-8, 8, (*shape[:2], words, 2), generator=gen).to(torch.float16)
+            q = torch.randint(0, 16, (*shape[:2], words, 2), generator=gen)
+            return A_FORMS[kind.a_form](q)
 
         def normal(words: int) -> torch.Tensor:
             return torch.randn((*shape[:2], words, 2), generator=gen).to(torch.float16)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench import mma_energy
-from bench.mma_energy import KINDS, SETS, Kind, operands
+from bench.mma_energy import A_FORMS, KINDS, SETS, Kind, operands
 
 
 def kind(name: str) -> Kind:
@@ -48,3 +48,12 @@ def test_int8_row_packs_signed_bytes() -> None:
 def test_main_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert mma_energy.main([]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_forms_carry_the_nibble() -> None:
+    """Each fp16 form of A maps q = 0..15 to the value its name says, exactly."""
+    q = torch.arange(16)
+    assert torch.equal(A_FORMS["q - 8"](q).float(), (q - 8).float())
+    assert torch.equal(A_FORMS["q"](q).float(), q.float())
+    assert torch.equal(A_FORMS["1024 + q"](q).float(), (q + 1024).float())
+    assert torch.equal(A_FORMS["q * 2^-24"](q).float(), q.float() * 2.0**-24)
