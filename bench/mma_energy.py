@@ -6,8 +6,10 @@ The M=16 W4a stack runs at the board's 700 W limit, so its time follows its ener
 This script asks whether another instruction would do the same products for less energy:
 - hmma: mma.sync m16n8k16, f16 inputs, f32 accumulators (the GEMV's); also with B all zeros
   (every product zero), with the roles swapped (A random, B the small integers), with f16
-  accumulators, and in the orders a GEMV step of 2 weight tiles by 2 token tiles can take
-  (which operand consecutive instructions repeat);
+  accumulators, in the orders a GEMV step of 2 weight tiles by 2 token tiles can take (which
+  operand consecutive instructions repeat), with one operand tile shared by every warp (the
+  datapath then sees one value, however the schedulers interleave warps), and with other fp16
+  forms of the weights;
 - imma: mma.sync m16n8k32, s8 inputs, s32 accumulators (the one-token GEMV's);
 - wgmma: wgmma m64n16k16 (sm_90a), f16 A from registers (the dequantized weights would be
   there), 16 tokens of f16 B from shared memory, f32 accumulators.
@@ -240,6 +242,10 @@ class Kind:
     zero_b: bool = False  # B all zeros: every product is zero, the datapath's floor
     x_as_a: bool = False  # the roles swapped: A is N(0, 1), B the small integers
     a_form: str = "q - 8"  # fp16 A (A_FORMS): how the weights' nibble q reaches the mma
+    # the same tile in every warp and set (lane i of each warp holds the same words), so the
+    # datapath sees one operand value whichever warps it interleaves
+    same_a: bool = False
+    same_b: bool = False
 
 
 KINDS = (
@@ -252,6 +258,9 @@ KINDS = (
     Kind("hmma, 2x2 tiles, A and B repeated in turn", 5, 16 * 8 * 16, 1),
     Kind("hmma, one B throughout", 6, 16 * 8 * 16, 1),
     Kind("hmma, one A throughout", 7, 16 * 8 * 16, 1),
+    Kind("hmma, one B tile in every warp", 0, 16 * 8 * 16, 1, same_b=True),
+    Kind("hmma, one A tile in every warp", 0, 16 * 8 * 16, 1, same_a=True),
+    Kind("hmma, one A and one B tile in every warp", 0, 16 * 8 * 16, 1, same_a=True, same_b=True),
     Kind("hmma, A = q (0..15)", 0, 16 * 8 * 16, 1, a_form="q"),
     Kind("hmma, A = 1024 + q", 0, 16 * 8 * 16, 1, a_form="1024 + q"),
     Kind("hmma, A = q * 2^-24 (subnormal)", 0, 16 * 8 * 16, 1, a_form="q * 2^-24"),
@@ -302,6 +311,11 @@ def operands(threads: int, kind: Kind, gen: torch.Generator) -> torch.Tensor:
         a, b = (normal(4), small(2)) if kind.x_as_a else (small(4), normal(2))
     if kind.zero_b:
         b.zero_()
+    lanes = torch.arange(threads) % 32
+    if kind.same_a:
+        a = a[lanes, :1].expand_as(a).contiguous()
+    if kind.same_b:
+        b = b[lanes, :1].expand_as(b).contiguous()
     return torch.cat([a.view(torch.int32), b.view(torch.int32)], dim=2).reshape(shape)
 
 

@@ -57,3 +57,14 @@ def test_a_forms_carry_the_nibble() -> None:
     assert torch.equal(A_FORMS["q"](q).float(), q.float())
     assert torch.equal(A_FORMS["1024 + q"](q).float(), (q + 1024).float())
     assert torch.equal(A_FORMS["q * 2^-24"](q).float(), q.float() * 2.0**-24)
+
+
+def test_same_tile_rows_repeat_one_warp_tile() -> None:
+    """Every warp and set holds lane i's words of one tile; the other operand still varies."""
+    ops = operands(96, kind("hmma, one B tile in every warp"), torch.Generator().manual_seed(2))
+    a, b = ops[..., :4], ops[..., 4:]
+    assert torch.equal(b, b[:32, :1].repeat(3, SETS, 1))
+    assert not torch.equal(b[0, 0], b[1, 0])  # lanes differ within the tile
+    assert not torch.equal(a[0, 0], a[32, 0])
+    both = operands(64, kind("hmma, one A and one B tile in every warp"), torch.Generator())
+    assert torch.equal(both, both[:32, :1].repeat(2, SETS, 1))
