@@ -190,20 +190,25 @@ __global__ void __launch_bounds__(128) wgmma_loop(const uint32_t* __restrict__ o
 #endif
 }
 
-void run_mma(torch::Tensor ops, torch::Tensor out, int64_t iters, int64_t mode) {
+void run_mma(torch::Tensor ops, torch::Tensor out, int64_t iters, int64_t mode,
+             int64_t order) {
   const int threads = 128, blocks = static_cast<int>(out.numel()) / threads;
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto* o = reinterpret_cast<const uint32_t*>(ops.data_ptr<int32_t>());
   float* d = out.data_ptr<float>();
-  switch (mode) {  // 3..7: hmma in operand order 1..5 (KINDS)
-    case 1: mma_loop<1><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-    case 2: mma_loop<2><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-    case 3: mma_loop<0, 1><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-    case 4: mma_loop<0, 2><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-    case 5: mma_loop<0, 3><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-    case 6: mma_loop<0, 4><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-    case 7: mma_loop<0, 5><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-    default: mma_loop<0><<<blocks, threads, 0, stream>>>(o, d, iters);
+  if (mode == 1) {
+    mma_loop<1><<<blocks, threads, 0, stream>>>(o, d, iters);
+  } else if (mode == 2) {
+    mma_loop<2><<<blocks, threads, 0, stream>>>(o, d, iters);
+  } else {
+    switch (order) {
+      case 1: mma_loop<0, 1><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+      case 2: mma_loop<0, 2><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+      case 3: mma_loop<0, 3><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+      case 4: mma_loop<0, 4><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+      case 5: mma_loop<0, 5><<<blocks, threads, 0, stream>>>(o, d, iters); break;
+      default: mma_loop<0><<<blocks, threads, 0, stream>>>(o, d, iters);
+    }
   }
 }
 
@@ -218,7 +223,7 @@ void run_wgmma(torch::Tensor ops, torch::Tensor btiles, torch::Tensor out, int64
 
 CPP = """
 #include <torch/extension.h>
-void run_mma(torch::Tensor ops, torch::Tensor out, int64_t iters, int64_t mode);
+void run_mma(torch::Tensor ops, torch::Tensor out, int64_t iters, int64_t mode, int64_t order);
 void run_wgmma(torch::Tensor ops, torch::Tensor btiles, torch::Tensor out, int64_t iters);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run_mma", &run_mma);
@@ -239,6 +244,7 @@ class Kind:
     macs: int  # per instruction
     warps: int  # that issue one instruction together
     int8: bool = False
+    order: int = 0  # hmma only: kOrder of mma_loop, the order of the operand sets
     zero_b: bool = False  # B all zeros: every product is zero, the datapath's floor
     x_as_a: bool = False  # the roles swapped: A is N(0, 1), B the small integers
     a_form: str = "q - 8"  # fp16 A (A_FORMS): how the weights' nibble q reaches the mma
@@ -253,11 +259,11 @@ KINDS = (
     Kind("hmma, B = 0", 0, 16 * 8 * 16, 1, zero_b=True),
     Kind("hmma, x as A", 0, 16 * 8 * 16, 1, x_as_a=True),
     Kind("hmma, f16 accumulators", 2, 16 * 8 * 16, 1),
-    Kind("hmma, 2x2 tiles, A repeated (the GEMV's order)", 3, 16 * 8 * 16, 1),
-    Kind("hmma, 2x2 tiles, B repeated", 4, 16 * 8 * 16, 1),
-    Kind("hmma, 2x2 tiles, A and B repeated in turn", 5, 16 * 8 * 16, 1),
-    Kind("hmma, one B throughout", 6, 16 * 8 * 16, 1),
-    Kind("hmma, one A throughout", 7, 16 * 8 * 16, 1),
+    Kind("hmma, 2x2 tiles, A repeated (the GEMV's order)", 0, 16 * 8 * 16, 1, order=1),
+    Kind("hmma, 2x2 tiles, B repeated", 0, 16 * 8 * 16, 1, order=2),
+    Kind("hmma, 2x2 tiles, A and B repeated in turn", 0, 16 * 8 * 16, 1, order=3),
+    Kind("hmma, one B throughout", 0, 16 * 8 * 16, 1, order=4),
+    Kind("hmma, one A throughout", 0, 16 * 8 * 16, 1, order=5),
     Kind("hmma, one B tile in every warp", 0, 16 * 8 * 16, 1, same_b=True),
     Kind("hmma, one A tile in every warp", 0, 16 * 8 * 16, 1, same_a=True),
     Kind("hmma, one A and one B tile in every warp", 0, 16 * 8 * 16, 1, same_a=True, same_b=True),
@@ -350,13 +356,13 @@ def main(argv: list[str] | None = None) -> int:
         ops = operands(threads, kind, gen).cuda()
         launches = 0
 
-        def launch(ops: torch.Tensor = ops, mode: int = kind.mode) -> None:
+        def launch(ops: torch.Tensor = ops, kind: Kind = kind) -> None:
             nonlocal launches
             launches += 1
-            if mode < 0:
+            if kind.mode < 0:
                 ext.run_wgmma(ops, btiles, out, ITERS)
             else:
-                ext.run_mma(ops, out, ITERS, mode)
+                ext.run_mma(ops, out, ITERS, kind.mode, kind.order)
 
         launch()  # warm-up
         torch.cuda.synchronize()
