@@ -195,21 +195,11 @@ void run_mma(torch::Tensor ops, torch::Tensor out, int64_t iters, int64_t mode,
   const int threads = 128, blocks = static_cast<int>(out.numel()) / threads;
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto* o = reinterpret_cast<const uint32_t*>(ops.data_ptr<int32_t>());
-  float* d = out.data_ptr<float>();
-  if (mode == 1) {
-    mma_loop<1><<<blocks, threads, 0, stream>>>(o, d, iters);
-  } else if (mode == 2) {
-    mma_loop<2><<<blocks, threads, 0, stream>>>(o, d, iters);
-  } else {
-    switch (order) {
-      case 1: mma_loop<0, 1><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-      case 2: mma_loop<0, 2><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-      case 3: mma_loop<0, 3><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-      case 4: mma_loop<0, 4><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-      case 5: mma_loop<0, 5><<<blocks, threads, 0, stream>>>(o, d, iters); break;
-      default: mma_loop<0><<<blocks, threads, 0, stream>>>(o, d, iters);
-    }
-  }
+  using Loop = void (*)(const uint32_t*, float*, int);
+  constexpr Loop kOrders[] = {mma_loop<0, 0>, mma_loop<0, 1>, mma_loop<0, 2>,
+                              mma_loop<0, 3>, mma_loop<0, 4>, mma_loop<0, 5>};
+  const Loop loop = mode == 1 ? mma_loop<1> : mode == 2 ? mma_loop<2> : kOrders[order];
+  loop<<<blocks, threads, 0, stream>>>(o, out.data_ptr<float>(), iters);
 }
 
 void run_wgmma(torch::Tensor ops, torch::Tensor btiles, torch::Tensor out, int64_t iters) {
@@ -346,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     idle_w = idle[1] if idle else float("nan")
     lines = [
         f"# {props.name}, torch {torch.__version__}; bench/mma_energy.py " + " ".join(sys.argv[1:]),
-        f"idle board power: {idle_w:.0f} W; {blocks} CTAs of 128 threads, 8 operand sets each",
+        f"idle board power: {idle_w:.0f} W; {blocks} CTAs of 128 threads, {SETS} operand sets each",
         "| instruction | TMAC/s | SM MHz | board W | pJ/MAC | pJ/MAC above idle |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
