@@ -8,8 +8,9 @@ This script asks whether another instruction would do the same products for less
   (every product zero), with the roles swapped (A random, B the small integers), with f16
   accumulators, in the orders a GEMV step of 2 weight tiles by 2 token tiles can take (which
   operand consecutive instructions repeat), with one operand tile shared by every warp (the
-  datapath then sees one value, however the schedulers interleave warps), and with other fp16
-  forms of the weights;
+  datapath then sees one value, however the schedulers interleave warps), with other fp16
+  forms of the weights, and with the activations rounded to fewer significant bits;
+- hmma on bf16 inputs (the same shapes; bf16 activations carry 8 significant bits, not 11);
 - imma: mma.sync m16n8k32, s8 inputs, s32 accumulators (the one-token GEMV's);
 - wgmma: wgmma m64n16k16 (sm_90a), f16 A from registers (the dequantized weights would be
   there), 16 tokens of f16 B from shared memory, f32 accumulators.
@@ -60,6 +61,13 @@ __device__ inline void imma(int (&d)[4], const uint32_t (&a)[4], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+__device__ inline void hmma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 __device__ inline void hmma16(uint32_t (&d)[2], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, "
       "{%0,%1};"
@@ -68,11 +76,11 @@ __device__ inline void hmma16(uint32_t (&d)[2], const uint32_t (&a)[4], const ui
 }
 
 // ops: [threads][kSets][6] words (A's 4, then B's 2); each thread adds its sums to out[tid].
-// kMode: 0 hmma (f32 accumulators), 1 imma, 2 hmma with f16 accumulators. kOrder picks the
-// operand sets of instruction s of a group of kSets: 0, A set s and B set s; otherwise two
-// A and two B sets per 4 instructions, each pair of them once, as in a GEMV's step of 2 weight
-// tiles by 2 token tiles, in the order that repeats A (1), B (2), or one then the other (3) in
-// consecutive instructions; 4 keeps one B set, 5 one A set throughout.
+// kMode: 0 hmma (f32 accumulators), 1 imma, 2 hmma with f16 accumulators, 3 hmma on bf16.
+// kOrder picks the operand sets of instruction s of a group of kSets: 0, A set s and B set s;
+// otherwise two A and two B sets per 4 instructions, each pair of them once, as in a GEMV's step
+// of 2 weight tiles by 2 token tiles, in the order that repeats A (1), B (2), or one then the
+// other (3) in consecutive instructions; 4 keeps one B set, 5 one A set throughout.
 __host__ __device__ constexpr int pick_a(int order, int s) {
   const int base = 2 * (s / 4), i = s % 4;
   switch (order) {
@@ -116,6 +124,8 @@ __global__ void mma_loop(const uint32_t* __restrict__ ops, float* __restrict__ o
         imma(iacc[s % 4], a[sa], b[sb]);
       } else if constexpr (kMode == 2) {
         hmma16(hacc[s % 4], a[sa], b[sb]);
+      } else if constexpr (kMode == 3) {
+        hmma_bf16(acc[s % 4], a[sa], b[sb]);
       } else {
         hmma(acc[s % 4], a[sa], b[sb]);
       }
@@ -198,7 +208,10 @@ void run_mma(torch::Tensor ops, torch::Tensor out, int64_t iters, int64_t mode,
   using Loop = void (*)(const uint32_t*, float*, int);
   constexpr Loop kOrders[] = {mma_loop<0, 0>, mma_loop<0, 1>, mma_loop<0, 2>,
                               mma_loop<0, 3>, mma_loop<0, 4>, mma_loop<0, 5>};
-  const Loop loop = mode == 1 ? mma_loop<1> : mode == 2 ? mma_loop<2> : kOrders[order];
+  const Loop loop = mode == 1   ? mma_loop<1>
+                    : mode == 2 ? mma_loop<2>
+                    : mode == 3 ? mma_loop<3>
+                                : kOrders[order];
   loop<<<blocks, threads, 0, stream>>>(o, out.data_ptr<float>(), iters);
 }
 
@@ -242,6 +255,7 @@ class Kind:
     # datapath sees one operand value whichever warps it interleaves
     same_a: bool = False
     same_b: bool = False
+    b_bits: int = 11  # fp16 B rounded to this many significant bits (11: as drawn)
 
 
 KINDS = (
@@ -260,6 +274,9 @@ KINDS = (
     Kind("hmma, A = q (0..15)", 0, 16 * 8 * 16, 1, a_form="q"),
     Kind("hmma, A = 1024 + q", 0, 16 * 8 * 16, 1, a_form="1024 + q"),
     Kind("hmma, A = q * 2^-24 (subnormal)", 0, 16 * 8 * 16, 1, a_form="q * 2^-24"),
+    Kind("hmma, B to 8 significant bits (bf16's)", 0, 16 * 8 * 16, 1, b_bits=8),
+    Kind("hmma, B to 4 significant bits", 0, 16 * 8 * 16, 1, b_bits=4),
+    Kind("hmma bf16", 3, 16 * 8 * 16, 1),
     Kind("imma", 1, 16 * 8 * 32, 1, int8=True),
     Kind("wgmma m64n16k16", -1, 64 * 16 * 16, 4),
 )
@@ -288,6 +305,14 @@ A_FORMS = {
 }
 
 
+def round_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x rounded to `bits` significant bits (to nearest; 11 or more: unchanged for fp16)."""
+    if bits >= 11:
+        return x
+    mant, exp = torch.frexp(x)
+    return torch.ldexp(torch.round(torch.ldexp(mant, torch.full_like(exp, bits))), exp - bits)
+
+
 def operands(threads: int, kind: Kind, gen: torch.Generator) -> torch.Tensor:
     """[threads, SETS, 6] words: A as kind.a_form of q (uniform in 0..15), B as N(0, 1); fp16
     pairs, or s8 quads with B uniform bytes."""
@@ -299,10 +324,15 @@ def operands(threads: int, kind: Kind, gen: torch.Generator) -> torch.Tensor:
 
         def small(words: int) -> torch.Tensor:
             q = torch.randint(0, 16, (*shape[:2], words, 2), generator=gen)
+            if kind.mode == 3:
+                return (q - 8).to(torch.bfloat16)
             return A_FORMS[kind.a_form](q)
 
         def normal(words: int) -> torch.Tensor:
-            return torch.randn((*shape[:2], words, 2), generator=gen).to(torch.float16)
+            x = torch.randn((*shape[:2], words, 2), generator=gen)
+            if kind.mode == 3:
+                return x.to(torch.bfloat16)
+            return round_bits(x, kind.b_bits).to(torch.float16)
 
         a, b = (normal(4), small(2)) if kind.x_as_a else (small(4), normal(2))
     if kind.zero_b:

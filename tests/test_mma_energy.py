@@ -68,3 +68,28 @@ def test_same_tile_rows_repeat_one_warp_tile() -> None:
     assert not torch.equal(a[0, 0], a[32, 0])
     both = operands(64, kind("hmma, one A and one B tile in every warp"), torch.Generator())
     assert torch.equal(both, both[:32, :1].repeat(2, SETS, 1))
+
+
+def significant_bits(values: torch.Tensor) -> int:
+    """The most significant bits any nonzero value needs."""
+    mant, exp = torch.frexp(values.double())
+    bits = 0
+    while bool(torch.ldexp(mant, torch.full_like(exp, bits)).frac().any()):
+        bits += 1
+    return bits
+
+
+def test_rounded_b_rows_keep_the_bits_they_name() -> None:
+    _, full = words("hmma")
+    assert significant_bits(full.view(torch.float16)) == 11
+    for bits in (8, 4):
+        a, b = words(f"hmma, B to {bits} significant bits" + (" (bf16's)" if bits == 8 else ""))
+        assert is_small_int(a.view(torch.float16))
+        assert significant_bits(b.view(torch.float16)) == bits
+
+
+def test_bf16_row_feeds_bf16_operands() -> None:
+    a, b = words("hmma bf16")
+    assert is_small_int(a.view(torch.bfloat16))
+    assert not is_small_int(b.view(torch.bfloat16))
+    assert significant_bits(b.view(torch.bfloat16)) == 8
