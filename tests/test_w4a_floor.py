@@ -10,7 +10,7 @@ from bench.w4a_floor import Row, b_operands, rows_for
 
 
 def test_rows_cover_stream_then_each_mode_and_m() -> None:
-    rows = rows_for([8, 16], [1, 2])
+    rows = rows_for([8, 16], [1, 2], ["none"])
     assert [r.name for r in rows[::2]] == ["stream", "hmma, M=8", "imma, M=8", "hmma, M=16",
                                            "imma, M=16"]  # fmt: skip
     assert {r.per_sm for r in rows} == {1, 2}
@@ -18,10 +18,21 @@ def test_rows_cover_stream_then_each_mode_and_m() -> None:
     assert Row("stream", 0, 2).tiles == 1
 
 
+def test_paths_name_and_pick_the_shared_memory_traffic() -> None:
+    rows = rows_for([16], [2], ["none", "ring", "x", "ring+x"])
+    assert rows[0] == Row("stream", 0, 2)  # the stream row never adds paths
+    flags = {(r.mode, r.path): (r.ring, r.xpath) for r in rows[1:]}
+    assert flags[("hmma", "none")] == (False, False) and flags[("imma", "ring")] == (True, False)
+    assert flags[("hmma", "x")] == (False, True) and flags[("hmma", "ring+x")] == (True, True)
+    assert Row("hmma", 16, 2, "x").name == "hmma, M=16, x via shared memory"
+    with pytest.raises(ValueError, match="--paths"):
+        rows_for([16], [2], ["smem"])
+
+
 @pytest.mark.parametrize(("ms", "per_sm"), [([12], [2]), ([16], [0]), ([16], [9])])
 def test_rows_reject_what_the_kernels_cannot_run(ms: list[int], per_sm: list[int]) -> None:
     with pytest.raises(ValueError, match=r"--ms|--ctas-per-sm"):
-        rows_for(ms, per_sm)
+        rows_for(ms, per_sm, ["none"])
 
 
 def test_b_operands_fill_every_lane_and_tile() -> None:
