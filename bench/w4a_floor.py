@@ -137,8 +137,9 @@ struct Products {
 // products on the qweight ones. The weights come straight to registers (two rounds held), or
 // with kRing through a per-thread shared-memory ring of kStages rounds (cp.async, each thread
 // reads back what it copied, as the GEMV's lanes do). kX adds the GEMV's activation traffic at
-// 16 tokens: per group, 16 bytes of x (L2-resident, nx a power of two) copied into a ring like the weights', and 32
-// bytes read back (the thread's own and its neighbour lane's), which are then the B operands.
+// 16 tokens: per group, 16 bytes of x (L2-resident, nx a power of two) copied into a ring like
+// the weights', and 32 bytes read back (the thread's own and its neighbour lane's), which are
+// then the B operands.
 template <int kMode, int kTiles, bool kRing, bool kX>
 __global__ void __launch_bounds__(kThreads) floor_kernel(
     const uint4* __restrict__ qw, long long nq, const uint4* __restrict__ sc, long long ns,
