@@ -54,6 +54,9 @@ constexpr int kStages = 3;  // shared-memory rounds: one read, two in flight
 constexpr int kThreads = 256;
 constexpr int kStageWords = kStages * kUnroll * kThreads;  // uint4 per shared-memory ring
 
+__device__ inline __half2 as_h2(uint32_t bits) { return *reinterpret_cast<__half2*>(&bits); }
+__device__ inline uint32_t as_u32(__half2 pair) { return *reinterpret_cast<uint32_t*>(&pair); }
+
 __device__ inline void hmma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                             uint32_t b0, uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
@@ -90,6 +93,7 @@ struct Products {
   static constexpr int kFrags = kMode == 1 ? 4 : 2;
   float f[kFrags][kTiles][4] = {};
   int i[kFrags][kTiles][4] = {};
+  float total[kFrags][kTiles][4] = {};
   uint32_t b[kTiles][2];
 
   __device__ void load_b(const uint32_t* bsrc) {
@@ -100,14 +104,21 @@ struct Products {
       b[t][1] = bsrc[(lane * kTiles + t) * 2 + 1];
     }
   }
-  template <bool kX>
+  template <bool kX, bool kDq>
   __device__ void add(const uint4& v, const uint4& xa, const uint4& xb) {
     constexpr uint32_t kMask = kMode == 1 ? 0x000F000Fu : 0x0F0F0F0Fu;
+    auto operand = [&](uint32_t word, int sh) {
+      const uint32_t bits = (word >> sh) & kMask;
+      if constexpr (kDq && kMode == 1) {  // the GEMV's exact q - 8: (1024 + q) - 1032
+        return as_u32(__hsub2(as_h2(bits | 0x64006400u), as_h2(0x64086408u)));
+      }
+      return bits;
+    };
 #pragma unroll
     for (int s = 0; s < kFrags; ++s) {
       const int sh = 4 * s;
-      const uint32_t a0 = (v.x >> sh) & kMask, a1 = (v.y >> sh) & kMask;
-      const uint32_t a2 = (v.z >> sh) & kMask, a3 = (v.w >> sh) & kMask;
+      const uint32_t a0 = operand(v.x, sh), a1 = operand(v.y, sh);
+      const uint32_t a2 = operand(v.z, sh), a3 = operand(v.w, sh);
 #pragma unroll
       for (int t = 0; t < kTiles; ++t) {
         const uint4& xt = t % 2 == 0 ? xa : xb;
@@ -121,6 +132,21 @@ struct Products {
       }
     }
   }
+  // The GEMV's end of block with one group per block: the block's sums, scaled, join the
+  // totals, and the block's accumulators start again from zero.
+  __device__ void scale_block(float scale) {
+#pragma unroll
+    for (int s = 0; s < kFrags; ++s)
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float block = kMode == 2 ? static_cast<float>(i[s][t][e]) : f[s][t][e];
+          total[s][t][e] = fmaf(block, scale, total[s][t][e]);
+          f[s][t][e] = 0.0f;
+          i[s][t][e] = 0;
+        }
+  }
   __device__ float sum() const {
     float r = 0.0f;
 #pragma unroll
@@ -128,7 +154,9 @@ struct Products {
 #pragma unroll
       for (int t = 0; t < kTiles; ++t)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) r += f[s][t][e] + static_cast<float>(i[s][t][e]);
+        for (int e = 0; e < 4; ++e) {
+          r += f[s][t][e] + static_cast<float>(i[s][t][e]) + total[s][t][e];
+        }
     return r;
   }
 };
@@ -139,8 +167,10 @@ struct Products {
 // reads back what it copied, as the GEMV's lanes do). kX adds the GEMV's activation traffic at
 // 16 tokens: per group, 16 bytes of x (L2-resident, nx a power of two) copied into a ring like
 // the weights', and 32 bytes read back (the thread's own and its neighbour lane's), which are
-// then the B operands.
-template <int kMode, int kTiles, bool kRing, bool kX>
+// then the B operands. kDq (with both) adds the GEMV's arithmetic: A as the exact q - 8 (one
+// OR-and-mask and one HSUB2 per register; imma keeps the raw nibbles) and, per round of
+// kUnroll groups (the GEMV's 128-row block per lane), the block's sums scaled into totals.
+template <int kMode, int kTiles, bool kRing, bool kX, bool kDq = false>
 __global__ void __launch_bounds__(kThreads) floor_kernel(
     const uint4* __restrict__ qw, long long nq, const uint4* __restrict__ sc, long long ns,
     const uint32_t* __restrict__ bsrc, const uint4* __restrict__ x, long long nx,
@@ -176,6 +206,7 @@ __global__ void __launch_bounds__(kThreads) floor_kernel(
   if constexpr (kMode != 0 && !kX) prod.load_b(bsrc);
   unsigned acc = 0;
   int stage = 0;
+  const float scale = 1.0f + 1e-3f * static_cast<float>(threadIdx.x % 8);  // kDq
   for (long long i = first; i < n; i += round) {
     __syncwarp();  // the neighbour lane has read the slots the next copy overwrites
     issue(i + 2 * round, (stage + 2) % kStages);
@@ -191,15 +222,16 @@ __global__ void __launch_bounds__(kThreads) floor_kernel(
       if (kMode != 0 && i + u * stride < nq) {
         if constexpr (kX) {
           const int at = slot(stage, u);
-          prod.template add<true>(w, xring[at], xring[at ^ 1]);
+          prod.template add<true, kDq>(w, xring[at], xring[at ^ 1]);
         } else {
-          prod.template add<false>(w, w, w);
+          prod.template add<false, kDq>(w, w, w);
         }
       } else {
         acc ^= w.x ^ w.y ^ w.z ^ w.w;
       }
       if constexpr (!kRing) cur[u] = nxt[u];
     }
+    if constexpr (kDq && kMode != 0) prod.scale_block(scale);  // a round is the GEMV's block
     stage = (stage + 1) % kStages;
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
@@ -210,7 +242,8 @@ using Kernel = void (*)(const uint4*, long long, const uint4*, long long, const 
                         const uint4*, long long, unsigned*);
 
 template <int kMode, int kTiles>
-Kernel pick(bool ring, bool xpath) {
+Kernel pick(bool ring, bool xpath, bool dq) {
+  if (dq) return floor_kernel<kMode, kTiles, true, true, true>;  // with ring and x only
   if (ring) {
     return xpath ? floor_kernel<kMode, kTiles, true, true>
                  : floor_kernel<kMode, kTiles, true, false>;
@@ -220,12 +253,14 @@ Kernel pick(bool ring, bool xpath) {
 }
 
 void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tensor x,
-            torch::Tensor out, int64_t ctas, int64_t mode, int64_t tiles, bool ring, bool xpath) {
+            torch::Tensor out, int64_t ctas, int64_t mode, int64_t tiles, bool ring, bool xpath,
+            bool dq) {
   TORCH_CHECK(0 <= mode && mode < 3 && 1 <= tiles && tiles <= 2, "bad mode / tiles");
-  using Picker = Kernel (*)(bool, bool);
+  TORCH_CHECK(!dq || (ring && xpath), "dq comes with the ring and x paths");
+  using Picker = Kernel (*)(bool, bool, bool);
   constexpr Picker kPick[3][2] = {
       {pick<0, 1>, pick<0, 1>}, {pick<1, 1>, pick<1, 2>}, {pick<2, 2>, pick<2, 4>}};
-  const Kernel kernel = kPick[mode][tiles - 1](ring, xpath);
+  const Kernel kernel = kPick[mode][tiles - 1](ring, xpath, dq);
   const int smem = (int(ring) + int(xpath)) * kStageWords * 16;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchConfig_t cfg = {};
@@ -254,7 +289,8 @@ void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tenso
 CPP = """
 #include <torch/extension.h>
 void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tensor x,
-            torch::Tensor out, int64_t ctas, int64_t mode, int64_t tiles, bool ring, bool xpath);
+            torch::Tensor out, int64_t ctas, int64_t mode, int64_t tiles, bool ring, bool xpath,
+            bool dq);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("launch", &launch); }
 """
 
@@ -285,6 +321,10 @@ class Row:
         return "x" in self.path.split("+")
 
     @property
+    def dq(self) -> bool:
+        return self.path.endswith("+dq")
+
+    @property
     def name(self) -> str:
         base = "stream" if self.mode == "stream" else f"{self.mode}, M={self.m}"
         return base if self.path == "none" else f"{base}, {PATHS[self.path]}"
@@ -296,6 +336,7 @@ PATHS = {
     "ring": "weights via a shared-memory ring",
     "x": "x via shared memory",
     "ring+x": "weights and x via shared memory",
+    "ring+x+dq": "weights and x via shared memory, q - 8 and a scale per block",
 }
 
 
@@ -389,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             mode, b = MODES[row.mode], bsrc[row.mode]
             for w in weights:
                 ext.launch(w.qweight, w.scales, b, x, out, ctas, mode, row.tiles, row.ring,
-                           row.xpath)  # fmt: skip
+                           row.xpath, row.dq)  # fmt: skip
 
         measure(row.name, str(row.per_sm), stack)
     for m in sorted({r.m for r in rows if r.m}):

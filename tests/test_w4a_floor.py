@@ -19,11 +19,13 @@ def test_rows_cover_stream_then_each_mode_and_m() -> None:
 
 
 def test_paths_name_and_pick_the_shared_memory_traffic() -> None:
-    rows = rows_for([16], [2], ["none", "ring", "x", "ring+x"])
+    rows = rows_for([16], [2], ["none", "ring", "x", "ring+x", "ring+x+dq"])
     assert rows[0] == Row("stream", 0, 2)  # the stream row never adds paths
     flags = {(r.mode, r.path): (r.ring, r.xpath) for r in rows[1:]}
     assert flags[("hmma", "none")] == (False, False) and flags[("imma", "ring")] == (True, False)
     assert flags[("hmma", "x")] == (False, True) and flags[("hmma", "ring+x")] == (True, True)
+    assert flags[("imma", "ring+x+dq")] == (True, True)
+    assert [r.dq for r in rows[1:5]] == [False] * 4 and Row("hmma", 16, 2, "ring+x+dq").dq
     assert Row("hmma", 16, 2, "x").name == "hmma, M=16, x via shared memory"
     with pytest.raises(ValueError, match="--paths"):
         rows_for([16], [2], ["smem"])
