@@ -104,12 +104,12 @@ struct Products {
       b[t][1] = bsrc[(lane * kTiles + t) * 2 + 1];
     }
   }
-  template <bool kX, bool kDq>
+  template <bool kX, bool kSub>
   __device__ void add(const uint4& v, const uint4& xa, const uint4& xb) {
     constexpr uint32_t kMask = kMode == 1 ? 0x000F000Fu : 0x0F0F0F0Fu;
     auto operand = [&](uint32_t word, int sh) {
       const uint32_t bits = (word >> sh) & kMask;
-      if constexpr (kDq && kMode == 1) {  // the GEMV's exact q - 8: (1024 + q) - 1032
+      if constexpr (kSub && kMode == 1) {  // the GEMV's exact q - 8: (1024 + q) - 1032
         return as_u32(__hsub2(as_h2(bits | 0x64006400u), as_h2(0x64086408u)));
       }
       return bits;
@@ -167,10 +167,10 @@ struct Products {
 // reads back what it copied, as the GEMV's lanes do). kX adds the GEMV's activation traffic at
 // 16 tokens: per group, 16 bytes of x (L2-resident, nx a power of two) copied into a ring like
 // the weights', and 32 bytes read back (the thread's own and its neighbour lane's), which are
-// then the B operands. kDq (with both) adds the GEMV's arithmetic: A as the exact q - 8 (one
-// OR-and-mask and one HSUB2 per register; imma keeps the raw nibbles) and, per round of
+// then the B operands. kDq (with both) adds the GEMV's arithmetic: bit 0, A as the exact q - 8
+// (one OR-and-mask and one HSUB2 per register; imma keeps the raw nibbles); bit 1, per round of
 // kUnroll groups (the GEMV's 128-row block per lane), the block's sums scaled into totals.
-template <int kMode, int kTiles, bool kRing, bool kX, bool kDq = false>
+template <int kMode, int kTiles, bool kRing, bool kX, int kDq = 0>
 __global__ void __launch_bounds__(kThreads) floor_kernel(
     const uint4* __restrict__ qw, long long nq, const uint4* __restrict__ sc, long long ns,
     const uint32_t* __restrict__ bsrc, const uint4* __restrict__ x, long long nx,
@@ -222,16 +222,16 @@ __global__ void __launch_bounds__(kThreads) floor_kernel(
       if (kMode != 0 && i + u * stride < nq) {
         if constexpr (kX) {
           const int at = slot(stage, u);
-          prod.template add<true, kDq>(w, xring[at], xring[at ^ 1]);
+          prod.template add<true, (kDq & 1) != 0>(w, xring[at], xring[at ^ 1]);
         } else {
-          prod.template add<false, kDq>(w, w, w);
+          prod.template add<false, (kDq & 1) != 0>(w, w, w);
         }
       } else {
         acc ^= w.x ^ w.y ^ w.z ^ w.w;
       }
       if constexpr (!kRing) cur[u] = nxt[u];
     }
-    if constexpr (kDq && kMode != 0) prod.scale_block(scale);  // a round is the GEMV's block
+    if constexpr ((kDq & 2) != 0 && kMode != 0) prod.scale_block(scale);  // a round: a block
     stage = (stage + 1) % kStages;
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
@@ -242,8 +242,13 @@ using Kernel = void (*)(const uint4*, long long, const uint4*, long long, const 
                         const uint4*, long long, unsigned*);
 
 template <int kMode, int kTiles>
-Kernel pick(bool ring, bool xpath, bool dq) {
-  if (dq) return floor_kernel<kMode, kTiles, true, true, true>;  // with ring and x only
+Kernel pick(bool ring, bool xpath, int dq) {
+  switch (dq) {  // with ring and x only
+    case 1: return floor_kernel<kMode, kTiles, true, true, 1>;
+    case 2: return floor_kernel<kMode, kTiles, true, true, 2>;
+    case 3: return floor_kernel<kMode, kTiles, true, true, 3>;
+    default: break;
+  }
   if (ring) {
     return xpath ? floor_kernel<kMode, kTiles, true, true>
                  : floor_kernel<kMode, kTiles, true, false>;
@@ -254,13 +259,13 @@ Kernel pick(bool ring, bool xpath, bool dq) {
 
 void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tensor x,
             torch::Tensor out, int64_t ctas, int64_t mode, int64_t tiles, bool ring, bool xpath,
-            bool dq) {
+            int64_t dq) {
   TORCH_CHECK(0 <= mode && mode < 3 && 1 <= tiles && tiles <= 2, "bad mode / tiles");
-  TORCH_CHECK(!dq || (ring && xpath), "dq comes with the ring and x paths");
-  using Picker = Kernel (*)(bool, bool, bool);
+  TORCH_CHECK(0 <= dq && dq < 4 && (dq == 0 || (ring && xpath)), "dq 1..3 needs ring and x");
+  using Picker = Kernel (*)(bool, bool, int);
   constexpr Picker kPick[3][2] = {
       {pick<0, 1>, pick<0, 1>}, {pick<1, 1>, pick<1, 2>}, {pick<2, 2>, pick<2, 4>}};
-  const Kernel kernel = kPick[mode][tiles - 1](ring, xpath, dq);
+  const Kernel kernel = kPick[mode][tiles - 1](ring, xpath, static_cast<int>(dq));
   const int smem = (int(ring) + int(xpath)) * kStageWords * 16;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchConfig_t cfg = {};
@@ -290,7 +295,7 @@ CPP = """
 #include <torch/extension.h>
 void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tensor x,
             torch::Tensor out, int64_t ctas, int64_t mode, int64_t tiles, bool ring, bool xpath,
-            bool dq);
+            int64_t dq);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("launch", &launch); }
 """
 
@@ -321,8 +326,10 @@ class Row:
         return "x" in self.path.split("+")
 
     @property
-    def dq(self) -> bool:
-        return self.path.endswith("+dq")
+    def dq(self) -> int:
+        """The GEMV's arithmetic the row adds: bit 0 the q - 8 subtraction, bit 1 the scale per
+        block (floor_kernel's kDq)."""
+        return {"+dq": 3, "+sub": 1, "+scale": 2}.get(self.path[self.path.rfind("+") :], 0)
 
     @property
     def name(self) -> str:
@@ -337,6 +344,8 @@ PATHS = {
     "x": "x via shared memory",
     "ring+x": "weights and x via shared memory",
     "ring+x+dq": "weights and x via shared memory, q - 8 and a scale per block",
+    "ring+x+sub": "weights and x via shared memory, q - 8",
+    "ring+x+scale": "weights and x via shared memory, a scale per block",
 }
 
 
