@@ -169,7 +169,8 @@ struct Products {
 // the weights', and 32 bytes read back (the thread's own and its neighbour lane's), which are
 // then the B operands. kDq (with both) adds the GEMV's arithmetic: bit 0, A as the exact q - 8
 // (one OR-and-mask and one HSUB2 per register; imma keeps the raw nibbles); bit 1, per round of
-// kUnroll groups (the GEMV's 128-row block per lane), the block's sums scaled into totals.
+// kUnroll groups (the GEMV's 128-row block per lane), the block's sums scaled into totals;
+// bit 2, a named barrier per round for each pair of warps (the GEMV's pairs at 16 tokens).
 template <int kMode, int kTiles, bool kRing, bool kX, int kDq = 0>
 __global__ void __launch_bounds__(kThreads) floor_kernel(
     const uint4* __restrict__ qw, long long nq, const uint4* __restrict__ sc, long long ns,
@@ -207,7 +208,9 @@ __global__ void __launch_bounds__(kThreads) floor_kernel(
   unsigned acc = 0;
   int stage = 0;
   const float scale = 1.0f + 1e-3f * static_cast<float>(threadIdx.x % 8);  // kDq
-  for (long long i = first; i < n; i += round) {
+  // CTA-uniform trip count: every thread of a warp (and of a pair, for kDq bit 2) runs the same
+  // rounds; past n, the loads are zero-filled and only XOR-ed
+  for (long long i = first, base = first - threadIdx.x; base < n; i += round, base += round) {
     __syncwarp();  // the neighbour lane has read the slots the next copy overwrites
     issue(i + 2 * round, (stage + 2) % kStages);
     if constexpr (!kRing) {
@@ -215,7 +218,11 @@ __global__ void __launch_bounds__(kThreads) floor_kernel(
       for (int u = 0; u < kUnroll; ++u) nxt[u] = fetch(i + round + u * stride);
     }
     asm volatile("cp.async.wait_group 2;" ::: "memory");
-    __syncwarp();
+    if constexpr ((kDq & 4) != 0) {  // the GEMV's named barrier of a warp pair, once per block
+      asm volatile("bar.sync %0, 64;" ::"r"(1 + static_cast<int>(threadIdx.x) / 64) : "memory");
+    } else {
+      __syncwarp();
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint4 w = kRing ? ring[slot(stage, u)] : cur[u];
@@ -247,6 +254,7 @@ Kernel pick(bool ring, bool xpath, int dq) {
     case 1: return floor_kernel<kMode, kTiles, true, true, 1>;
     case 2: return floor_kernel<kMode, kTiles, true, true, 2>;
     case 3: return floor_kernel<kMode, kTiles, true, true, 3>;
+    case 4: return floor_kernel<kMode, kTiles, true, true, 4>;
     default: break;
   }
   if (ring) {
@@ -261,7 +269,7 @@ void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tenso
             torch::Tensor out, int64_t ctas, int64_t mode, int64_t tiles, bool ring, bool xpath,
             int64_t dq) {
   TORCH_CHECK(0 <= mode && mode < 3 && 1 <= tiles && tiles <= 2, "bad mode / tiles");
-  TORCH_CHECK(0 <= dq && dq < 4 && (dq == 0 || (ring && xpath)), "dq 1..3 needs ring and x");
+  TORCH_CHECK(0 <= dq && dq <= 4 && (dq == 0 || (ring && xpath)), "dq 1..4 needs ring and x");
   using Picker = Kernel (*)(bool, bool, int);
   constexpr Picker kPick[3][2] = {
       {pick<0, 1>, pick<0, 1>}, {pick<1, 1>, pick<1, 2>}, {pick<2, 2>, pick<2, 4>}};
@@ -327,9 +335,11 @@ class Row:
 
     @property
     def dq(self) -> int:
-        """The GEMV's arithmetic the row adds: bit 0 the q - 8 subtraction, bit 1 the scale per
-        block (floor_kernel's kDq)."""
-        return {"+dq": 3, "+sub": 1, "+scale": 2}.get(self.path[self.path.rfind("+") :], 0)
+        """What of the GEMV the row adds (floor_kernel's kDq): bit 0 the q - 8 subtraction, bit 1
+        the scale per block, bit 2 the warp pairs' barrier per block."""
+        return {"+dq": 3, "+sub": 1, "+scale": 2, "+bar": 4}.get(
+            self.path[self.path.rfind("+") :], 0
+        )
 
     @property
     def name(self) -> str:
@@ -346,6 +356,7 @@ PATHS = {
     "ring+x+dq": "weights and x via shared memory, q - 8 and a scale per block",
     "ring+x+sub": "weights and x via shared memory, q - 8",
     "ring+x+scale": "weights and x via shared memory, a scale per block",
+    "ring+x+bar": "weights and x via shared memory, a barrier per warp pair and block",
 }
 
 
