@@ -13,12 +13,14 @@ in 16-byte loads, and for every weight word does the M-token products on the ten
   activations as int8 need two), s32 accumulators.
 
 No dequantization beyond one mask, no activation loads, no reduction; the sums are discarded.
-So a W4a kernel doing those products on those instructions needs at least this probe's energy per
-stack, and at the power limit at least its time. The script also times pagedq's own stack
-(`ops.gptq_matmul`) in the same process, and prints per row the stack ms, TB/s, and the SM clock
-and board power nvidia-smi samples while it replays.
+--paths adds parts of the GEMV one at a time (PATHS): the weights through a shared-memory ring,
+the activations copied and read as the GEMV does at 16 tokens, its q - 8 subtraction, its
+per-block scale, its warp pairs' barrier. The probe is an estimate of the floor, not a proof: it
+has overheads of its own (its stream alone runs below the best read-only kernel's rate). The
+script also times pagedq's own stack (`ops.gptq_matmul`) in the same process, and prints per row
+the stack ms, TB/s, and the SM clock and board power nvidia-smi samples while it replays.
 
-    PYTHONPATH=. python3 bench/w4a_floor.py --ms 8,16 --log $OUT/w4a_floor.log
+    PYTHONPATH=. python3 bench/w4a_floor.py --ms 16 --ctas-per-sm 2 --paths none,ring+x
 """
 
 from __future__ import annotations
