@@ -18,7 +18,8 @@ the activations copied and read as the GEMV does at 16 tokens, its q - 8 subtrac
 per-block scale, its warp pairs' barrier. The probe is an estimate of the floor, not a proof: it
 has overheads of its own (its stream alone runs below the best read-only kernel's rate). The
 script also times pagedq's own stack (`ops.gptq_matmul`) in the same process, and prints per row
-the stack ms, TB/s, and the SM clock and board power nvidia-smi samples while it replays.
+the stack ms, TB/s, the SM clock and board power nvidia-smi samples while it replays, and µs per
+launch of each layer shape (time per launch against time per byte).
 
     PYTHONPATH=. python3 bench/w4a_floor.py --ms 16 --ctas-per-sm 2 --paths none,ring+x
 """
@@ -28,12 +29,15 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from bench.gptq_stacks import (
+    LAYERS,
+    SHAPES,
     Stack,
     graphed,
     pagedq_stack,
@@ -43,6 +47,7 @@ from bench.gptq_stacks import (
     weight_bytes,
 )
 from cuda_ext.build import gencode
+from pagedq.ops.gptq import PackedGPTQWeight
 
 SOURCE = r"""
 #include <cuda_fp16.h>
@@ -430,33 +435,51 @@ def main(argv: list[str] | None = None) -> int:
         f"# {props.name}, torch {torch.__version__}; bench/w4a_floor.py " + " ".join(sys.argv[1:]),
         f"stack bytes {nbytes / 1e9:.3f} GB; idle board power "
         f"{idle[0] if idle else float('nan'):.0f} W",
-        "| probe | CTAs/SM | stack ms | TB/s | SM MHz | board W | J per stack |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| probe | CTAs/SM | stack ms | TB/s | SM MHz | board W | J per stack | "
+        + " / ".join(name for name, _, _ in SHAPES)
+        + " µs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
-    def measure(name: str, per_sm: str, stack: Stack) -> None:
-        replay = graphed(stack)
+    def measure(name: str, per_sm: str, make: Callable[[list[PackedGPTQWeight]], Stack]) -> None:
+        """One row: the stack, then µs per launch of each layer shape (its 32 launches alone in
+        one graph), which tells time that scales with bytes from time per launch."""
+        replay = graphed(make(weights))
         ms = min(time_ms(replay, args.repeats) for _ in range(3))
         smi = smi_query("clocks.sm,power.draw", args.clocks, replay) if args.clocks else None
         mhz, watts = (smi[0], smi[1]) if smi else (float("nan"), float("nan"))
+        layer = [
+            time_ms(graphed(make(weights[i :: len(SHAPES)])), args.repeats) * 1000 / LAYERS
+            for i in range(len(SHAPES))
+        ]
         lines.append(
             f"| {name} | {per_sm} | {ms:.3f} | {nbytes / ms / 1e9:.2f} | {mhz:.0f} | "
-            f"{watts:.0f} | {watts * ms / 1e3:.3f} |"
+            f"{watts:.0f} | {watts * ms / 1e3:.3f} | "
+            + " / ".join(f"{v:.1f}" for v in layer)
+            + " |"
         )
         print(lines[-1], flush=True)
 
     for row in rows:
         ctas = props.multi_processor_count * row.per_sm
 
-        def stack(row: Row = row, ctas: int = ctas) -> None:
+        def make(ws: list[PackedGPTQWeight], row: Row = row, ctas: int = ctas) -> Stack:
             mode, b = MODES[row.mode], bsrc[row.mode]
-            for w in weights:
-                ext.launch(w.qweight, w.scales, b, x, out, ctas, mode, row.tiles, row.ring,
-                           row.xpath, row.dq)  # fmt: skip
 
-        measure(row.name, str(row.per_sm), stack)
+            def stack() -> None:
+                for w in ws:
+                    ext.launch(w.qweight, w.scales, b, x, out, ctas, mode, row.tiles, row.ring,
+                               row.xpath, row.dq)  # fmt: skip
+
+            return stack
+
+        measure(row.name, str(row.per_sm), make)
     for m in sorted({r.m for r in rows if r.m}):
-        measure(f"pagedq ops.gptq_matmul, M={m}", "-", pagedq_stack(weights, m))
+
+        def pagedq(ws: list[PackedGPTQWeight], m: int = m) -> Stack:
+            return pagedq_stack(ws, m)
+
+        measure(f"pagedq ops.gptq_matmul, M={m}", "-", pagedq)
     text = "\n".join(lines)
     print(text)
     if args.log:
