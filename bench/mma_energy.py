@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 
 from bench.gptq_stacks import smi_query
-from cuda_ext.build import gencode
+from cuda_ext.build import load_probe
 
 SOURCE = r"""
 #include <cuda_fp16.h>
@@ -283,16 +282,7 @@ KINDS = (
 
 
 def build():  # type: ignore[no-untyped-def]
-    from torch.utils import cpp_extension
-
-    return cpp_extension.load_inline(
-        name="pagedq_mma_energy",
-        cpp_sources=CPP,
-        cuda_sources=SOURCE,
-        extra_cuda_cflags=["-O3", gencode(torch.cuda.get_device_capability())],
-        build_directory=tempfile.mkdtemp(prefix="mma_energy_"),
-        verbose=False,
-    )
+    return load_probe("pagedq_mma_energy", CPP, SOURCE)
 
 
 # fp16 A values from nibbles q in 0..15: the GEMV's q - z' (z' = 8), the nibble itself, the

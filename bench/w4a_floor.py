@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,15 +45,16 @@ from bench.gptq_stacks import (
     time_ms,
     weight_bytes,
 )
-from cuda_ext.build import gencode
+from cuda_ext.build import load_probe
 from pagedq.ops.gptq import PackedGPTQWeight
 
 SOURCE = r"""
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <torch/extension.h>
 #include <cstdint>
+
+#include "gptq_host.h"  // cuda_ext/: launch (with PDL)
 
 constexpr int kUnroll = 4;  // 16-byte groups per thread per round
 constexpr int kStages = 3;  // shared-memory rounds: one read, two in flight
@@ -283,16 +283,6 @@ void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tenso
   const Kernel kernel = kPick[mode][tiles - 1](ring, xpath, static_cast<int>(dq));
   const int smem = (int(ring) + int(xpath)) * kStageWords * 16;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
   const auto* q = reinterpret_cast<const uint4*>(qw.data_ptr());
   const auto* s = reinterpret_cast<const uint4*>(sc.data_ptr());
   const auto* b = reinterpret_cast<const uint32_t*>(bsrc.data_ptr<int32_t>());
@@ -302,7 +292,8 @@ void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tenso
   const long long ns = sc.numel() * sc.element_size() / 16;
   const long long nx = x.numel() * x.element_size() / 16;
   TORCH_CHECK(nx > 0 && (nx & (nx - 1)) == 0, "x must hold a power of two of 16-byte groups");
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, q, nq, s, ns, b, xp, nx, o));
+  pagedq::gptq_host::launch(kernel, static_cast<int>(ctas), kThreads, smem, /*pdl=*/true, q, nq,
+                            s, ns, b, xp, nx, o);
 }
 """
 
@@ -390,16 +381,7 @@ def b_operands(gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def build():  # type: ignore[no-untyped-def]
-    from torch.utils import cpp_extension
-
-    return cpp_extension.load_inline(
-        name="pagedq_w4a_floor",
-        cpp_sources=CPP,
-        cuda_sources=SOURCE,
-        extra_cuda_cflags=["-O3", gencode(torch.cuda.get_device_capability())],
-        build_directory=tempfile.mkdtemp(prefix="w4a_floor_"),
-        verbose=False,
-    )
+    return load_probe("pagedq_w4a_floor", CPP, SOURCE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -77,6 +78,23 @@ def gencode(capability: tuple[int, int]) -> str:
     """nvcc's flag that builds for exactly this device."""
     arch = arch_name(capability)
     return f"-gencode=arch=compute_{arch},code=sm_{arch}"
+
+
+def load_probe(name: str, cpp_sources: str, cuda_sources: str) -> Any:
+    """A bench probe's inline extension (bench/mma_energy.py, bench/w4a_floor.py), built for the
+    current device with -O3 into a fresh temporary directory, with cuda_ext/ on the include path
+    so that a probe can use the ops' host helpers (gptq_host.h)."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load_inline(
+        name=name,
+        cpp_sources=cpp_sources,
+        cuda_sources=cuda_sources,
+        extra_cuda_cflags=["-O3", gencode(torch.cuda.get_device_capability())],
+        extra_include_paths=[str(Path(__file__).resolve().parent)],
+        build_directory=tempfile.mkdtemp(prefix=f"{name}_"),
+        verbose=False,
+    )
 
 
 def _build(capability: tuple[int, int]) -> None:
