@@ -80,6 +80,14 @@ __device__ inline void imma(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, 
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// (bits & kMask) | 1024 in both fp16 halves, one LOP3.
+template <uint32_t kMask>
+__device__ inline uint32_t magic_pair(uint32_t bits) {
+  uint32_t out;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(bits), "n"(kMask), "r"(0x64006400u));
+  return out;
+}
+
 // 16 bytes global -> shared; src_bytes 0 zero-fills (src must still be a valid address).
 __device__ inline void cp_async16(uint4* dst, const uint4* src, int src_bytes) {
   const auto d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
@@ -114,18 +122,22 @@ struct Products {
   template <bool kX, bool kSub>
   __device__ void add(const uint4& v, const uint4& xa, const uint4& xb) {
     constexpr uint32_t kMask = kMode == 1 ? 0x000F000Fu : 0x0F0F0F0Fu;
-    auto operand = [&](uint32_t word, int sh) {
-      const uint32_t bits = (word >> sh) & kMask;
-      if constexpr (kSub && kMode == 1) {  // the GEMV's exact q - 8: (1024 + q) - 1032
-        return as_u32(__hsub2(as_h2(bits | 0x64006400u), as_h2(0x64086408u)));
+    auto operand = [&](uint32_t word, int s) {
+      if constexpr (kSub && kMode == 1) {
+        // the GEMV's exact q - 8, in its instructions (gptq_gemv.cuh, compute): one LOP3 makes
+        // 1024 + q (even pairs) or 1024 + 16 q (odd pairs, no shift), then one HSUB2 or HFMA2
+        const uint32_t src = s >= 2 ? word >> 8 : word;
+        if (s % 2 == 0) return as_u32(__hsub2(as_h2(magic_pair<0x000F000F>(src)),
+                                              as_h2(0x64086408u)));  // - 1032
+        return as_u32(__hfma2(as_h2(magic_pair<0x00F000F0>(src)), as_h2(0x2C002C00u),
+                              as_h2(0xD480D480u)));  // / 16 - 72
       }
-      return bits;
+      return (word >> (4 * s)) & kMask;
     };
 #pragma unroll
     for (int s = 0; s < kFrags; ++s) {
-      const int sh = 4 * s;
-      const uint32_t a0 = operand(v.x, sh), a1 = operand(v.y, sh);
-      const uint32_t a2 = operand(v.z, sh), a3 = operand(v.w, sh);
+      const uint32_t a0 = operand(v.x, s), a1 = operand(v.y, s);
+      const uint32_t a2 = operand(v.z, s), a3 = operand(v.w, s);
 #pragma unroll
       for (int t = 0; t < kTiles; ++t) {
         const uint4& xt = t % 2 == 0 ? xa : xb;
@@ -175,9 +187,11 @@ struct Products {
 // 16 tokens: per group, 16 bytes of x (L2-resident, nx a power of two) copied into a ring like
 // the weights', and 32 bytes read back (the thread's own and its neighbour lane's), which are
 // then the B operands. kDq (with both) adds the GEMV's arithmetic: bit 0, A as the exact q - 8
-// (one OR-and-mask and one HSUB2 per register; imma keeps the raw nibbles); bit 1, per round of
-// kUnroll groups (the GEMV's 128-row block per lane), the block's sums scaled into totals;
-// bit 2, a named barrier per round for each pair of warps (the GEMV's pairs at 16 tokens).
+// (the GEMV's LOP3 and HSUB2 / HFMA2 per register; imma keeps the raw nibbles); bit 1, per round
+// of kUnroll groups (the GEMV's 128-row block per lane), the block's sums scaled into totals;
+// bit 2, a named barrier per round for each pair of warps (the GEMV's pairs at 16 tokens); bit 3,
+// the first two rounds' x copies only after griddepcontrol.wait, as the GEMV must (its x is the
+// previous kernel's output).
 template <int kMode, int kTiles, bool kRing, bool kX, int kDq = 0>
 __global__ void __launch_bounds__(kThreads) floor_kernel(
     const uint4* __restrict__ qw, long long nq, const uint4* __restrict__ sc, long long ns,
@@ -193,23 +207,39 @@ __global__ void __launch_bounds__(kThreads) floor_kernel(
   auto src = [&](long long j) { return j < nq ? qw + j : j < n ? sc + (j - nq) : qw; };
   auto fetch = [&](long long j) { return j < n ? __ldcs(src(j)) : make_uint4(0, 0, 0, 0); };
   auto slot = [](int stage, int u) { return (stage * kUnroll + u) * kThreads + threadIdx.x; };
-  auto issue = [&](long long base, int stage) {  // one cp.async group per round, maybe empty
+  // one round's copies (weights w, activations a); a cp.async group per round, maybe empty
+  auto copy = [&](long long base, int stage, bool w, bool a) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const long long j = base + u * stride;
-      if constexpr (kRing) cp_async16(ring + slot(stage, u), src(j), j < n ? 16 : 0);
-      if constexpr (kX) cp_async16(xring + slot(stage, u), x + (j & (nx - 1)), j < n ? 16 : 0);
+      if (kRing && w) cp_async16(ring + slot(stage, u), src(j), j < n ? 16 : 0);
+      if (kX && a) cp_async16(xring + slot(stage, u), x + (j & (nx - 1)), j < n ? 16 : 0);
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
   };
+  auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };
+  auto issue = [&](long long base, int stage) {
+    copy(base, stage, true, true);
+    commit();
+  };
+  constexpr bool kLateX = (kDq & 8) != 0;
   uint4 cur[kUnroll], nxt[kUnroll];
   if constexpr (!kRing) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) cur[u] = fetch(first + u * stride);
   }
-  issue(first, 0);
-  issue(first + round, 1);
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if constexpr (kLateX) {  // the GEMV's order: both rounds' weights, the wait, then x by rounds
+    copy(first, 0, true, false);
+    copy(first + round, 1, true, false);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    copy(first, 0, false, true);
+    commit();
+    copy(first + round, 1, false, true);
+    commit();
+  } else {
+    issue(first, 0);
+    issue(first + round, 1);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  }
   Products<kMode, kTiles> prod;
   if constexpr (kMode != 0 && !kX) prod.load_b(bsrc);
   unsigned acc = 0;
@@ -262,6 +292,7 @@ Kernel pick(bool ring, bool xpath, int dq) {
     case 2: return floor_kernel<kMode, kTiles, true, true, 2>;
     case 3: return floor_kernel<kMode, kTiles, true, true, 3>;
     case 4: return floor_kernel<kMode, kTiles, true, true, 4>;
+    case 11: return floor_kernel<kMode, kTiles, true, true, 11>;
     default: break;
   }
   if (ring) {
@@ -276,7 +307,8 @@ void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tenso
             torch::Tensor out, int64_t ctas, int64_t mode, int64_t tiles, bool ring, bool xpath,
             int64_t dq) {
   TORCH_CHECK(0 <= mode && mode < 3 && 1 <= tiles && tiles <= 2, "bad mode / tiles");
-  TORCH_CHECK(0 <= dq && dq <= 4 && (dq == 0 || (ring && xpath)), "dq 1..4 needs ring and x");
+  TORCH_CHECK((0 <= dq && dq <= 4) || dq == 11, "dq: 0..4 or 11");
+  TORCH_CHECK(dq == 0 || (ring && xpath), "dq needs ring and x");
   using Picker = Kernel (*)(bool, bool, int);
   constexpr Picker kPick[3][2] = {
       {pick<0, 1>, pick<0, 1>}, {pick<1, 1>, pick<1, 2>}, {pick<2, 2>, pick<2, 4>}};
@@ -334,10 +366,9 @@ class Row:
     @property
     def dq(self) -> int:
         """What of the GEMV the row adds (floor_kernel's kDq): bit 0 the q - 8 subtraction, bit 1
-        the scale per block, bit 2 the warp pairs' barrier per block."""
-        return {"+dq": 3, "+sub": 1, "+scale": 2, "+bar": 4}.get(
-            self.path[self.path.rfind("+") :], 0
-        )
+        the scale per block, bit 2 the warp pairs' barrier per block, bit 3 x after the wait."""
+        bits = {"dq": 3, "sub": 1, "scale": 2, "bar": 4, "xwait": 8}
+        return sum(bits.get(part, 0) for part in self.path.split("+")[2:])
 
     @property
     def name(self) -> str:
@@ -355,6 +386,8 @@ PATHS = {
     "ring+x+sub": "weights and x via shared memory, q - 8",
     "ring+x+scale": "weights and x via shared memory, a scale per block",
     "ring+x+bar": "weights and x via shared memory, a barrier per warp pair and block",
+    "ring+x+dq+xwait": "weights and x via shared memory, q - 8 and a scale per block, x after "
+    "the wait",
 }
 
 

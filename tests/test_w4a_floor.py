@@ -28,6 +28,7 @@ def test_paths_name_and_pick_the_shared_memory_traffic() -> None:
     assert [r.dq for r in rows[1:5]] == [0] * 4 and Row("hmma", 16, 2, "ring+x+dq").dq == 3
     assert Row("hmma", 16, 2, "ring+x+sub").dq == 1 and Row("imma", 16, 2, "ring+x+scale").dq == 2
     assert Row("hmma", 16, 2, "ring+x+bar").dq == 4
+    assert Row("hmma", 16, 2, "ring+x+dq+xwait").dq == 11  # the kernels' only combined row
     assert Row("hmma", 16, 2, "x").name == "hmma, M=16, x via shared memory"
     with pytest.raises(ValueError, match="--paths"):
         rows_for([16], [2], ["smem"])
