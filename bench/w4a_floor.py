@@ -58,8 +58,7 @@ SOURCE = r"""
 
 constexpr int kUnroll = 4;  // 16-byte groups per thread per round
 constexpr int kStages = 3;  // shared-memory rounds: one read, two in flight
-constexpr int kThreads = 256;
-constexpr int kStageWords = kStages * kUnroll * kThreads;  // uint4 per shared-memory ring
+constexpr int kThreads = 256;  // at most; a launch may take fewer (its rings shrink with it)
 
 __device__ inline __half2 as_h2(uint32_t bits) { return *reinterpret_cast<__half2*>(&bits); }
 __device__ inline uint32_t as_u32(__half2 pair) { return *reinterpret_cast<uint32_t*>(&pair); }
@@ -199,14 +198,15 @@ __global__ void __launch_bounds__(kThreads) floor_kernel(
     unsigned* __restrict__ out) {
   extern __shared__ uint4 smem[];
   uint4* ring = smem;                             // kRing: weights
-  uint4* xring = smem + (kRing ? kStageWords : 0);  // kX: activations
+  const int ring_words = kStages * kUnroll * blockDim.x;  // uint4 per shared-memory ring
+  uint4* xring = smem + (kRing ? ring_words : 0);  // kX: activations
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const long long n = nq + ns, stride = static_cast<long long>(gridDim.x) * blockDim.x;
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long round = kUnroll * stride;
   auto src = [&](long long j) { return j < nq ? qw + j : j < n ? sc + (j - nq) : qw; };
   auto fetch = [&](long long j) { return j < n ? __ldcs(src(j)) : make_uint4(0, 0, 0, 0); };
-  auto slot = [](int stage, int u) { return (stage * kUnroll + u) * kThreads + threadIdx.x; };
+  auto slot = [](int stage, int u) { return (stage * kUnroll + u) * blockDim.x + threadIdx.x; };
   // one round's copies (weights w, activations a); a cp.async group per round, maybe empty
   auto copy = [&](long long base, int stage, bool w, bool a) {
 #pragma unroll
@@ -304,8 +304,8 @@ Kernel pick(bool ring, bool xpath, int dq) {
 }
 
 void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tensor x,
-            torch::Tensor out, int64_t ctas, int64_t mode, int64_t tiles, bool ring, bool xpath,
-            int64_t dq) {
+            torch::Tensor out, int64_t ctas, int64_t threads, int64_t mode, int64_t tiles,
+            bool ring, bool xpath, int64_t dq) {
   TORCH_CHECK(0 <= mode && mode < 3 && 1 <= tiles && tiles <= 2, "bad mode / tiles");
   TORCH_CHECK((0 <= dq && dq <= 4) || dq == 11, "dq: 0..4 or 11");
   TORCH_CHECK(dq == 0 || (ring && xpath), "dq needs ring and x");
@@ -313,7 +313,8 @@ void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tenso
   constexpr Picker kPick[3][2] = {
       {pick<0, 1>, pick<0, 1>}, {pick<1, 1>, pick<1, 2>}, {pick<2, 2>, pick<2, 4>}};
   const Kernel kernel = kPick[mode][tiles - 1](ring, xpath, static_cast<int>(dq));
-  const int smem = (int(ring) + int(xpath)) * kStageWords * 16;
+  TORCH_CHECK(threads % 64 == 0 && 64 <= threads && threads <= kThreads, "threads: 64..256, by 64");
+  const int smem = (int(ring) + int(xpath)) * kStages * kUnroll * static_cast<int>(threads) * 16;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const auto* q = reinterpret_cast<const uint4*>(qw.data_ptr());
   const auto* s = reinterpret_cast<const uint4*>(sc.data_ptr());
@@ -324,16 +325,16 @@ void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tenso
   const long long ns = sc.numel() * sc.element_size() / 16;
   const long long nx = x.numel() * x.element_size() / 16;
   TORCH_CHECK(nx > 0 && (nx & (nx - 1)) == 0, "x must hold a power of two of 16-byte groups");
-  pagedq::gptq_host::launch(kernel, static_cast<int>(ctas), kThreads, smem, /*pdl=*/true, q, nq,
-                            s, ns, b, xp, nx, o);
+  pagedq::gptq_host::launch(kernel, static_cast<int>(ctas), static_cast<int>(threads), smem,
+                            /*pdl=*/true, q, nq, s, ns, b, xp, nx, o);
 }
 """
 
 CPP = """
 #include <torch/extension.h>
 void launch(torch::Tensor qw, torch::Tensor sc, torch::Tensor bsrc, torch::Tensor x,
-            torch::Tensor out, int64_t ctas, int64_t mode, int64_t tiles, bool ring, bool xpath,
-            int64_t dq);
+            torch::Tensor out, int64_t ctas, int64_t threads, int64_t mode, int64_t tiles,
+            bool ring, bool xpath, int64_t dq);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("launch", &launch); }
 """
 
@@ -343,12 +344,13 @@ MODES = {"stream": 0, "hmma": 1, "imma": 2}
 @dataclass(frozen=True)
 class Row:
     """One probe: `mode` (MODES) at `m` tokens (a multiple of 8, at most 16), `per_sm` CTAs of
-    256 threads per SM; `path` (PATHS) adds the GEMV's shared-memory traffic."""
+    `threads` threads per SM; `path` (PATHS) adds the GEMV's shared-memory traffic."""
 
     mode: str
     m: int
     per_sm: int
     path: str = "none"
+    threads: int = 256
 
     @property
     def tiles(self) -> int:
@@ -391,8 +393,10 @@ PATHS = {
 }
 
 
-def rows_for(ms: list[int], per_sm: list[int], paths: list[str]) -> list[Row]:
-    """The stream row, then hmma and imma at each M and path, each at every CTA count."""
+def rows_for(
+    ms: list[int], per_sm: list[int], paths: list[str], threads: tuple[int, ...] = (256,)
+) -> list[Row]:
+    """The stream row, then hmma and imma at each M and path, each at every CTA count and size."""
     bad = [m for m in ms if m not in (8, 16)]
     if bad:
         raise ValueError(f"--ms takes 8 and 16 only (tiles of 8 tokens), got {bad}")
@@ -402,7 +406,14 @@ def rows_for(ms: list[int], per_sm: list[int], paths: list[str]) -> list[Row]:
     if unknown:
         raise ValueError(f"--paths takes {', '.join(PATHS)}, got {unknown}")
     probes = [(md, m, p) for m in ms for md in ("hmma", "imma") for p in paths]
-    return [Row(mode, m, c, p) for mode, m, p in [("stream", 0, "none"), *probes] for c in per_sm]
+    if not all(t in (64, 128, 192, 256) for t in threads):
+        raise ValueError(f"--threads takes 64, 128, 192 and 256 (pairs of warps), got {threads}")
+    return [
+        Row(mode, m, c, p, t)
+        for mode, m, p in [("stream", 0, "none"), *probes]
+        for t in threads
+        for c in per_sm
+    ]
 
 
 def b_operands(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -420,7 +431,8 @@ def build():  # type: ignore[no-untyped-def]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="16", help="token counts (8, 16), comma-separated")
-    ap.add_argument("--ctas-per-sm", default="1,2", help="CTAs of 256 threads per SM to try")
+    ap.add_argument("--ctas-per-sm", default="1,2", help="CTAs per SM to try")
+    ap.add_argument("--threads", default="256", help="threads per CTA to try (64..256, by 64)")
     ap.add_argument(
         "--paths", default="none", help=f"shared-memory paths per probe ({', '.join(PATHS)})"
     )
@@ -432,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         [int(v) for v in args.ms.split(",")],
         [int(v) for v in args.ctas_per_sm.split(",")],
         args.paths.split(","),
+        tuple(int(v) for v in args.threads.split(",")),
     )
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -450,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# {props.name}, torch {torch.__version__}; bench/w4a_floor.py " + " ".join(sys.argv[1:]),
         f"stack bytes {nbytes / 1e9:.3f} GB; idle board power "
         f"{idle[0] if idle else float('nan'):.0f} W",
-        "| probe | CTAs/SM | stack ms | TB/s | SM MHz | board W | J per stack | "
+        "| probe | CTAs/SM x threads | stack ms | TB/s | SM MHz | board W | J per stack | "
         + " / ".join(name for name, _, _ in SHAPES)
         + " µs |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -483,12 +496,12 @@ def main(argv: list[str] | None = None) -> int:
 
             def stack() -> None:
                 for w in ws:
-                    ext.launch(w.qweight, w.scales, b, x, out, ctas, mode, row.tiles, row.ring,
-                               row.xpath, row.dq)  # fmt: skip
+                    ext.launch(w.qweight, w.scales, b, x, out, ctas, row.threads, mode, row.tiles,
+                               row.ring, row.xpath, row.dq)  # fmt: skip
 
             return stack
 
-        measure(row.name, str(row.per_sm), make)
+        measure(row.name, f"{row.per_sm} x {row.threads}", make)
     for m in sorted({r.m for r in rows if r.m}):
 
         def pagedq(ws: list[PackedGPTQWeight], m: int = m) -> Stack:

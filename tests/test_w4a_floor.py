@@ -34,6 +34,19 @@ def test_paths_name_and_pick_the_shared_memory_traffic() -> None:
         rows_for([16], [2], ["smem"])
 
 
+def test_rows_take_each_cta_size() -> None:
+    """12 warps per SM, as pagedq's 16-token GEMV has them (3 CTAs of 128), beside 16 (2 of 256)."""
+    rows = rows_for([16], [2, 3], ["ring+x+dq+xwait"], (128, 256))
+    assert {(r.per_sm, r.threads) for r in rows if r.mode == "hmma"} == {
+        (2, 128),
+        (3, 128),
+        (2, 256),
+        (3, 256),
+    }
+    with pytest.raises(ValueError, match="--threads"):
+        rows_for([16], [2], ["none"], (96,))
+
+
 @pytest.mark.parametrize(("ms", "per_sm"), [([12], [2]), ([16], [0]), ([16], [9])])
 def test_rows_reject_what_the_kernels_cannot_run(ms: list[int], per_sm: list[int]) -> None:
     with pytest.raises(ValueError, match=r"--ms|--ctas-per-sm"):
