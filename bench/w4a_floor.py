@@ -14,9 +14,11 @@ in 16-byte loads, and for every weight word does the M-token products on the ten
 
 No dequantization beyond one mask, no activation loads, no reduction; the sums are discarded.
 --paths adds parts of the GEMV one at a time (PATHS): the weights through a shared-memory ring,
-the activations copied and read as the GEMV does at 16 tokens, its q - 8 subtraction, its
-per-block scale, its warp pairs' barrier. The probe is an estimate of the floor, not a proof: it
-has overheads of its own (its stream alone runs below the best read-only kernel's rate). The
+the activations copied and read as the GEMV does at 16 tokens, its q - 8 subtraction (in its own
+instructions), its per-block scale, its warp pairs' barrier, and x copied only after the PDL wait.
+--threads sets the CTA size, so --ctas-per-sm 3 --threads 128 has pagedq's 12 warps per SM. The
+probe is an estimate of the floor, not a proof: it has overheads of its own (its stream alone
+runs below the best read-only kernel's rate). The
 script also times pagedq's own stack (`ops.gptq_matmul`) in the same process, and prints per row
 the stack ms, TB/s, the SM clock and board power nvidia-smi samples while it replays, and µs per
 launch of each layer shape (time per launch against time per byte).
