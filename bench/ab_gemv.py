@@ -3,9 +3,9 @@ side in one process, checks each against the torch reference, then times the W4a
 interleaved, so that every figure of a comparison comes from the same process and GPU state.
 
 A version is NAME=DIR, DIR a copy of cuda_ext/ (gptq_gemv.cu, gptq_gemv.cuh, gptq_host.h), or
-NAME=FILE.diff, a diff against this tree's cuda_ext/gptq_gemv.cuh; e.g. the working tree's
-`cuda_ext` and a copy of the last commit's (versions named probe... are timed but not checked:
-builds with parts of the work taken out):
+NAME=FILE.diff, a diff against this tree's cuda_ext/gptq_gemv.cuh, or NAME=A.diff+B.diff, diffs
+applied in that order; e.g. the working tree's `cuda_ext` and a copy of the last commit's
+(versions named probe... are timed but not checked: builds with parts of the work taken out):
 
     mkdir -p .dev/cur && git archive HEAD cuda_ext | tar -x -C .dev/cur
     PYTHONPATH=. python3 bench/ab_gemv.py cur=.dev/cur/cuda_ext new=cuda_ext --ms 1,8,16
@@ -74,20 +74,28 @@ TORCH_LIBRARY_IMPL(ab_NAME, CUDA, m) { m.impl("gptq_gemv", &pagedq::gptq_gemv_cu
 """
 
 
+def patches_of(src: Path) -> list[Path] | None:
+    """The diffs of a version spec A.diff or A.diff+B.diff+... (applied in order to this tree's
+    cuda_ext/gptq_gemv.cuh), or None for a cuda_ext copy."""
+    parts = [Path(part) for part in str(src).split("+")]
+    return parts if all(part.suffix == ".diff" for part in parts) else None
+
+
 def build(name: str, src: Path, root: Path) -> Op:
-    """Compile version `name` from `src` (a cuda_ext copy, or a .diff against this tree's
-    cuda_ext/gptq_gemv.cuh) into root/name; returns its op."""
+    """Compile version `name` from `src` (a cuda_ext copy, or diffs against this tree's
+    cuda_ext/gptq_gemv.cuh: patches_of) into root/name; returns its op."""
     from torch.utils import cpp_extension
 
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
         raise SystemExit(f"version name {name!r}: letters, digits and _ only")
     work = root / name
     work.mkdir(parents=True, exist_ok=True)
-    base = Path(__file__).resolve().parent.parent / "cuda_ext" if src.suffix == ".diff" else src
+    patches = patches_of(src)
+    base = Path(__file__).resolve().parent.parent / "cuda_ext" if patches is not None else src
     for f in SOURCES:
         shutil.copy(base / f, work / f)
-    if src.suffix == ".diff":
-        patch = ["patch", "-s", str(work / "gptq_gemv.cuh"), str(src.resolve())]
+    for diff in patches or []:
+        patch = ["patch", "-s", str(work / "gptq_gemv.cuh"), str(diff.resolve())]
         subprocess.run(patch, check=True)
     (work / "ab_bind.cpp").write_text(BINDINGS.replace("NAME", name))
     cpp_extension.load(
@@ -177,7 +185,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "versions", nargs="+", help="NAME=DIR (a copy of cuda_ext/) or NAME=FILE.diff"
+        "versions",
+        nargs="+",
+        help="NAME=DIR (a copy of cuda_ext/), NAME=FILE.diff or NAME=A.diff+B.diff",
     )
     parser.add_argument("--ms", default="1,8,16", help="token counts to time, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)

@@ -372,7 +372,10 @@ class Row:
         """What of the GEMV the row adds (floor_kernel's kDq): bit 0 the q - 8 subtraction, bit 1
         the scale per block, bit 2 the warp pairs' barrier per block, bit 3 x after the wait."""
         bits = {"dq": 3, "sub": 1, "scale": 2, "bar": 4, "xwait": 8}
-        return sum(bits.get(part, 0) for part in self.path.split("+")[2:])
+        out = 0
+        for part in self.path.split("+")[2:]:
+            out |= bits.get(part, 0)
+        return out
 
     @property
     def name(self) -> str:
