@@ -18,10 +18,10 @@ the activations copied and read as the GEMV does at 16 tokens, its q - 8 subtrac
 instructions), its per-block scale, its warp pairs' barrier, and x copied only after the PDL wait.
 --threads sets the CTA size, so --ctas-per-sm 3 --threads 128 has pagedq's 12 warps per SM. The
 probe is an estimate of the floor, not a proof: it has overheads of its own (its stream alone
-runs below the best read-only kernel's rate). The
-script also times pagedq's own stack (`ops.gptq_matmul`) in the same process, and prints per row
-the stack ms, TB/s, the SM clock and board power nvidia-smi samples while it replays, and µs per
-launch of each layer shape (time per launch against time per byte).
+runs below the best read-only kernel's rate). The script also times pagedq's own stack
+(`ops.gptq_matmul`) in the same process, and prints per row the stack ms, TB/s, the SM clock and
+board power nvidia-smi samples while it replays, and µs per launch of each layer shape (time per
+launch against time per byte).
 
     PYTHONPATH=. python3 bench/w4a_floor.py --ms 16 --ctas-per-sm 2 --paths none,ring+x
 """
@@ -373,7 +373,7 @@ class Row:
         the scale per block, bit 2 the warp pairs' barrier per block, bit 3 x after the wait."""
         bits = {"dq": 3, "sub": 1, "scale": 2, "bar": 4, "xwait": 8}
         out = 0
-        for part in self.path.split("+")[2:]:
+        for part in self.path.split("+"):  # ring, x and none add no bit
             out |= bits.get(part, 0)
         return out
 
